@@ -1,0 +1,164 @@
+"""The catalog: session manifests, shared-prefix records and chunk reference counts, in LMDB.
+
+One synced LMDB transaction commits a manifest together with the reference-count changes it
+implies, so a crash leaves either the old session or the new one and counts that match it.
+Chunks whose count reaches zero are returned to the caller for deletion; a crash before that
+deletion leaves orphans with no count, which `StateStore.gc` sweeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import lmdb
+from pydantic import ValidationError
+
+from agentstate.errors import BackendError, ConflictError, CorruptDataError
+from agentstate.manifest import SessionManifest
+
+_NO_VERSION = 0
+
+
+class Catalog:
+    def __init__(self, path: str | Path, *, map_size: int = 1 << 30) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        try:
+            self._env = lmdb.open(str(path), map_size=map_size, max_dbs=3, subdir=True)
+        except lmdb.Error as exc:
+            raise BackendError(f"cannot open catalog at {path}: {exc}") from exc
+        self._sessions = self._env.open_db(b"sessions")
+        self._refs = self._env.open_db(b"refs")
+        self._prefixes = self._env.open_db(b"prefixes")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentstate-catalog")
+
+    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _skey(tenant: str, session_id: str) -> bytes:
+        return f"{tenant}/{session_id}".encode()
+
+    @staticmethod
+    def _parse(raw: bytes) -> SessionManifest:
+        try:
+            return SessionManifest.model_validate_json(raw)
+        except ValidationError as exc:
+            raise CorruptDataError(f"stored manifest does not parse: {exc.error_count()} errors") from None
+
+    async def get(self, tenant: str, session_id: str) -> SessionManifest | None:
+        def run() -> SessionManifest | None:
+            with self._env.begin(db=self._sessions) as txn:
+                raw = txn.get(self._skey(tenant, session_id))
+            return None if raw is None else self._parse(raw)
+
+        return await self._run(run)
+
+    async def list(self, tenant: str | None = None) -> list[SessionManifest]:
+        def run() -> list[SessionManifest]:
+            prefix = b"" if tenant is None else f"{tenant}/".encode()
+            with self._env.begin(db=self._sessions) as txn:
+                cursor = txn.cursor()
+                found = cursor.set_range(prefix)
+                raws = []
+                while found and cursor.key().startswith(prefix):
+                    raws.append(cursor.value())
+                    found = cursor.next()
+            return [self._parse(raw) for raw in raws]
+
+        return await self._run(run)
+
+    async def commit(self, manifest: SessionManifest, expected_version: int | None) -> list[str]:
+        """Write `manifest` if the stored version is `expected_version` (None: must not exist).
+
+        Returns the chunk keys that no longer have any reference.
+        """
+
+        def run() -> list[str]:
+            key = self._skey(manifest.tenant, manifest.session_id)
+            with self._env.begin(write=True) as txn:
+                raw = txn.get(key, db=self._sessions)
+                old = None if raw is None else self._parse(raw)
+                found = _NO_VERSION if old is None else old.version
+                if found != (expected_version or _NO_VERSION):
+                    raise ConflictError(
+                        f"session {manifest.session_id!r} is at version {found}, expected {expected_version}"
+                    )
+                txn.put(key, manifest.model_dump_json().encode(), db=self._sessions)
+                self._add_refs(txn, manifest.chunk_keys, +1)
+                return self._add_refs(txn, old.chunk_keys if old else [], -1)
+
+        return await self._run(run)
+
+    async def remove(self, tenant: str, session_id: str) -> tuple[SessionManifest | None, list[str]]:
+        def run() -> tuple[SessionManifest | None, list[str]]:
+            key = self._skey(tenant, session_id)
+            with self._env.begin(write=True) as txn:
+                raw = txn.pop(key, db=self._sessions)
+                if raw is None:
+                    return None, []
+                old = self._parse(raw)
+                return old, self._add_refs(txn, old.chunk_keys, -1)
+
+        return await self._run(run)
+
+    # -- shared prefixes -----------------------------------------------------------------------
+
+    async def add_prefix(self, keys: Sequence[str]) -> bool:
+        """Record a shared prefix (named by its last key) so its chunks are kept; False if known."""
+
+        def run() -> bool:
+            with self._env.begin(write=True) as txn:
+                name = keys[-1].encode()
+                if txn.get(name, db=self._prefixes) is not None:
+                    return False
+                txn.put(name, "\n".join(keys).encode(), db=self._prefixes)
+                self._add_refs(txn, keys, +1)
+                return True
+
+        return await self._run(run) if keys else False
+
+    async def remove_prefix(self, last_key: str) -> list[str]:
+        def run() -> list[str]:
+            with self._env.begin(write=True) as txn:
+                raw = txn.pop(last_key.encode(), db=self._prefixes)
+                return [] if raw is None else self._add_refs(txn, bytes(raw).decode().split("\n"), -1)
+
+        return await self._run(run)
+
+    # -- reference counts ----------------------------------------------------------------------
+
+    def _add_refs(self, txn: lmdb.Transaction, keys: Iterable[str], delta: int) -> list[str]:
+        zeroed = []
+        for key in keys:
+            raw_key = key.encode()
+            raw = txn.get(raw_key, db=self._refs)
+            count = (0 if raw is None else int.from_bytes(raw, "little")) + delta
+            if count > 0:
+                txn.put(raw_key, count.to_bytes(8, "little"), db=self._refs)
+            else:
+                txn.delete(raw_key, db=self._refs)
+                zeroed.append(key)
+        return zeroed
+
+    async def refcounts(self, keys: Sequence[str]) -> list[int]:
+        def run() -> list[int]:
+            with self._env.begin(db=self._refs) as txn:
+                return [int.from_bytes(txn.get(k.encode()) or b"", "little") for k in keys]
+
+        return await self._run(run)
+
+    async def session_count(self) -> int:
+        def run() -> int:
+            with self._env.begin() as txn:
+                return int(txn.stat(self._sessions)["entries"])
+
+        return await self._run(run)
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._env.close()

@@ -1,0 +1,147 @@
+"""Chunk bytes: a 64-byte self-describing header followed by the raw tensor memory.
+
+Layout (little endian)::
+
+    0   4s  magic b"ASKV"
+    4   H   format version
+    6   B   dtype code
+    7   B   layout code (0 = canonical, layer-major [layers, planes, tokens, heads, dim])
+    8   16s spec fingerprint (raw)
+    24  5I  shape
+    44  Q   payload length in bytes
+    52  I   reserved (0)
+    56  Q   xxh3_64 of the payload, seeded with xxh3_64 of bytes 0..56 (so the header is covered)
+    64  ... payload: exactly the memory of the contiguous tensor
+
+No pickle and no torch.load: decoding only reinterprets bytes after every field checks out, and a
+buffer whose checksum fails never reaches a caller.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from typing import NamedTuple
+
+import torch
+import xxhash
+
+from agentstate.errors import CorruptDataError, SpecMismatchError
+
+MAGIC = b"ASKV"
+FORMAT_VERSION = 1
+HEADER_SIZE = 64
+LAYOUT_CANONICAL = 0
+_FIELDS = struct.Struct("<4sHBB16s5IQI")  # bytes 0..56
+_CHECKSUM = struct.Struct("<Q")  # bytes 56..64
+
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float8_e4m3fn: 4,
+    torch.float8_e5m2: 5,
+}
+_CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+# Backends hand out read-only views (LMDB's mmap); we only ever read through them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+class ChunkHeader(NamedTuple):
+    fingerprint: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    payload_len: int
+    checksum: int
+
+
+def encoded_size(nbytes: int) -> int:
+    return HEADER_SIZE + nbytes
+
+
+def _checksum(header: memoryview, payload: memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(payload, seed=xxhash.xxh3_64_intdigest(header[: _FIELDS.size]))
+
+
+def encode(kv: torch.Tensor, fingerprint: str) -> bytearray:
+    """Encode one chunk of canonical KV (any strides, CPU or not) into fresh, self-describing bytes.
+
+    The single copy made here is also the gather that makes a strided slice layer-major.
+    """
+    if kv.dtype not in DTYPE_CODES:
+        raise CorruptDataError(f"dtype {kv.dtype} cannot be encoded")
+    if kv.dim() != 5:
+        raise CorruptDataError(f"canonical KV has 5 dims, got {kv.dim()}")
+    nbytes = kv.numel() * kv.element_size()
+    out = bytearray(HEADER_SIZE + nbytes)
+    if nbytes:
+        dest = torch.frombuffer(out, dtype=kv.dtype, offset=HEADER_SIZE, count=kv.numel()).view(kv.shape)
+        dest.copy_(kv)
+    view = memoryview(out)
+    _FIELDS.pack_into(
+        out, 0, MAGIC, FORMAT_VERSION, DTYPE_CODES[kv.dtype], LAYOUT_CANONICAL,
+        bytes.fromhex(fingerprint), *kv.shape, nbytes, 0,
+    )  # fmt: skip
+    _CHECKSUM.pack_into(out, _FIELDS.size, _checksum(view, view[HEADER_SIZE:]))
+    return out
+
+
+def read_header(buf: memoryview | bytes | bytearray) -> ChunkHeader:
+    """Parse and check the header fields that need no expectations (magic, version, length)."""
+    view = memoryview(buf)
+    if len(view) < HEADER_SIZE:
+        raise CorruptDataError(f"chunk truncated: {len(view)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    magic, version, dcode, layout, fp, *rest = _FIELDS.unpack_from(view, 0)
+    shape, payload_len = tuple(rest[:5]), rest[5]
+    if magic != MAGIC:
+        raise CorruptDataError(f"bad magic {magic!r}: not an agentstate chunk")
+    if version != FORMAT_VERSION:
+        raise CorruptDataError(f"unsupported chunk format version {version} (this build reads {FORMAT_VERSION})")
+    if layout != LAYOUT_CANONICAL or dcode not in _CODE_DTYPES:
+        raise CorruptDataError(f"unknown layout {layout} or dtype code {dcode}")
+    dtype = _CODE_DTYPES[dcode]
+    numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+    if numel * dtype.itemsize != payload_len:
+        raise CorruptDataError(f"payload length {payload_len} does not match shape {shape} of {dtype}")
+    if len(view) != HEADER_SIZE + payload_len:
+        raise CorruptDataError(f"chunk is {len(view)} bytes, header says {HEADER_SIZE + payload_len}")
+    (checksum,) = _CHECKSUM.unpack_from(view, _FIELDS.size)
+    return ChunkHeader(fp.hex(), dtype, shape, payload_len, checksum)
+
+
+def decode(
+    buf: memoryview | bytes | bytearray,
+    *,
+    fingerprint: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...] | None = None,
+    verify: bool = True,
+) -> torch.Tensor:
+    """Check `buf` completely and return a zero-copy tensor view over its payload.
+
+    The view shares memory with `buf`: copy out of it before the buffer is reused or released.
+    `verify=False` skips only the checksum, for bytes this process produced and kept in DRAM.
+    """
+    view = memoryview(buf)
+    head = read_header(view)
+    if head.fingerprint != fingerprint:
+        raise SpecMismatchError(f"chunk belongs to spec {head.fingerprint}, not {fingerprint}")
+    if head.dtype != dtype:
+        raise CorruptDataError(f"chunk dtype {head.dtype} is not the expected {dtype}")
+    if shape is not None and head.shape != tuple(shape):
+        raise CorruptDataError(f"chunk shape {head.shape} is not the expected {tuple(shape)}")
+    payload = view[HEADER_SIZE:]
+    if verify and _checksum(view, payload) != head.checksum:
+        raise CorruptDataError("chunk checksum mismatch")
+    if head.payload_len == 0:
+        return torch.empty(head.shape, dtype=dtype)
+    return torch.frombuffer(payload, dtype=dtype).view(head.shape)
+
+
+def decode_into(
+    buf: memoryview | bytes | bytearray, dest: torch.Tensor, *, fingerprint: str, verify: bool = True
+) -> None:
+    """Check `buf` against `dest`'s shape and dtype, then copy its payload into `dest` (any strides)."""
+    src = decode(buf, fingerprint=fingerprint, dtype=dest.dtype, shape=tuple(dest.shape), verify=verify)
+    dest.copy_(src)

@@ -1,0 +1,86 @@
+"""Chunk keys (a blake2b hash chain over token ids), tail keys, and id validation.
+
+`key[i] = H(key[i-1], tokens of chunk i)` with `key[-1] = H(namespace, fingerprint)`: equal
+prefixes under one namespace and spec give equal keys in every process, with no coordination and
+no dependence on PYTHONHASHSEED. blake2b because a forged collision would serve one tenant
+another's state, so collision resistance matters more than speed (keys hash token ids, not KV).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import NewType
+
+from agentstate.errors import InvalidArgumentError, InvalidSessionIdError
+
+ChunkKey = NewType("ChunkKey", str)
+"""Storage key of one full chunk: `c/<fingerprint>/<64 hex digest>`."""
+
+TailKey = NewType("TailKey", str)
+"""Storage key of a session's partial last chunk: `t/<fingerprint>/<tenant>/<session>/<version>`."""
+
+CHUNK_PREFIX = "c/"
+TAIL_PREFIX = "t/"
+_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@-]{0,127}")
+_MAX_TOKEN = 2**63 - 1
+
+
+def validate_id(value: object, what: str = "session id") -> str:
+    """Return `value` if it is a valid session/tenant id, else raise InvalidSessionIdError.
+
+    1-128 chars of `[A-Za-z0-9_.:@-]`, not starting with `.`, `-`, `:` or `@`: never a path
+    component like `..`, never a separator, safe in keys, URLs and file names.
+    """
+    if not isinstance(value, str) or _ID_RE.fullmatch(value) is None:
+        raise InvalidSessionIdError(
+            f"invalid {what} {value!r}: 1-128 chars of [A-Za-z0-9_.:@-], starting with a letter, digit or _"
+        )
+    return value
+
+
+def token_array(tokens: Iterable[int]) -> array:
+    """Token ids as a packed int64 array (the exact bytes the hash chain covers)."""
+    if hasattr(tokens, "tolist"):  # torch / numpy
+        tokens = tokens.tolist()  # type: ignore[union-attr]
+    try:
+        packed = array("q", tokens)  # type: ignore[arg-type]
+    except (TypeError, OverflowError) as exc:
+        raise InvalidArgumentError(f"tokens must be a sequence of non-negative ints: {exc}") from None
+    if packed and min(packed) < 0:
+        raise InvalidArgumentError("token ids must be non-negative")
+    return packed
+
+
+def namespace_for(tenant: str, shared: bool = False) -> str:
+    """The sharing scope: per tenant by default; `shared=True` is the operator's opt-in global scope."""
+    return "global" if shared else f"tenant:{validate_id(tenant, 'tenant')}"
+
+
+def chain_root(namespace: str, fingerprint: str) -> bytes:
+    h = hashlib.blake2b(digest_size=32, person=b"agentstate-root")
+    for part in (namespace.encode(), fingerprint.encode()):
+        h.update(len(part).to_bytes(4, "little"))
+        h.update(part)
+    return h.digest()
+
+
+def chunk_keys(
+    tokens: Sequence[int] | array, *, namespace: str, fingerprint: str, chunk_tokens: int
+) -> list[ChunkKey]:
+    """Keys of every full chunk of `tokens` (a partial last chunk gets none: it is a tail)."""
+    packed = tokens if isinstance(tokens, array) else token_array(tokens)
+    raw = memoryview(packed).cast("B")
+    step = chunk_tokens * packed.itemsize
+    prev = chain_root(namespace, fingerprint)
+    keys: list[ChunkKey] = []
+    for start in range(0, (len(packed) // chunk_tokens) * step, step):
+        prev = hashlib.blake2b(prev + raw[start : start + step], digest_size=32, person=b"agentstate-chunk").digest()
+        keys.append(ChunkKey(f"{CHUNK_PREFIX}{fingerprint}/{prev.hex()}"))
+    return keys
+
+
+def tail_key(fingerprint: str, tenant: str, session_id: str, version: int) -> TailKey:
+    return TailKey(f"{TAIL_PREFIX}{fingerprint}/{tenant}/{session_id}/{version}")

@@ -1,0 +1,89 @@
+"""ModelSpec: the facts that make two KV states interchangeable, and its fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+from functools import cached_property
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from agentstate.errors import KVShapeError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+class ModelSpec(BaseModel):
+    """What KV state is compatible with.
+
+    Canonical KV for this spec is a tensor shaped
+    `[num_layers, kv_planes, num_tokens, num_kv_heads, head_dim]` of `dtype`.
+    State stored under one fingerprint is never served to another.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_id: str = Field(min_length=1, max_length=256)
+    revision: str = Field(default="main", max_length=128)
+    dtype: str = "bfloat16"
+    num_layers: int = Field(gt=0, le=1024)
+    kv_planes: int = Field(default=2, ge=1, le=2, description="2 for K and V, 1 for an MLA latent")
+    num_kv_heads: int = Field(gt=0, le=1024)
+    head_dim: int = Field(gt=0, le=65536)
+    tp_rank: int = Field(default=0, ge=0)
+    tp_size: int = Field(default=1, ge=1)
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _rank_in_range(self) -> ModelSpec:
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} must be < tp_size {self.tp_size}")
+        return self
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """32 hex chars of blake2b over the canonical JSON of every field."""
+        payload = self.model_dump_json().encode()
+        return hashlib.blake2b(payload, digest_size=16, person=b"agentstate-spec").hexdigest()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of KV one token occupies across all layers and planes."""
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.num_layers * self.kv_planes * self.num_kv_heads * self.head_dim * itemsize
+
+    def kv_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, self.kv_planes, num_tokens, self.num_kv_heads, self.head_dim)
+
+    def empty_kv(self, num_tokens: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        return torch.empty(self.kv_shape(num_tokens), dtype=self.torch_dtype, device=device)
+
+    def check_kv(self, kv: object, num_tokens: int | None = None) -> torch.Tensor:
+        """Return `kv` if it is canonical KV for this spec (and `num_tokens` long), else raise."""
+        if not isinstance(kv, torch.Tensor):
+            raise KVShapeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        if kv.dtype != self.torch_dtype:
+            raise KVShapeError(f"kv dtype {kv.dtype} does not match spec dtype {self.dtype}")
+        if kv.dim() != 5:
+            raise KVShapeError(f"kv must have 5 dims [layers, planes, tokens, heads, dim], got {tuple(kv.shape)}")
+        tokens = kv.shape[2] if num_tokens is None else num_tokens
+        if tuple(kv.shape) != self.kv_shape(tokens):
+            raise KVShapeError(f"kv shape {tuple(kv.shape)} does not match spec shape {self.kv_shape(tokens)}")
+        return kv

@@ -1,0 +1,73 @@
+"""The Backend protocol: what every storage tier implements (see DESIGN.md, Backend protocol)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from pydantic import BaseModel
+
+ReadSink = Callable[[int, memoryview], None]
+"""Called as `sink(i, view)` with the stored bytes of `keys[i]`; the view is valid only during the call."""
+
+
+class BackendStats(BaseModel):
+    name: str
+    items: int
+    bytes_used: int
+    capacity_bytes: int | None
+    reads: int = 0
+    writes: int = 0
+    deletes: int = 0
+    misses: int = 0
+    errors: int = 0
+    evictions: int = 0
+
+
+class Backend(ABC):
+    """One storage tier. Async; blocking work runs off the event loop inside the backend.
+
+    Keys are opaque strings (chunk keys `c/...`, tail keys `t/...`). Values are immutable once
+    written: `put` of an existing key may keep either copy, since equal keys mean equal content.
+    """
+
+    name: str = "backend"
+    durable: bool = False
+    """True when a completed `put` survives a process crash (the tier sessions commit to)."""
+    trusted: bool = False
+    """True when stored bytes never left this process's memory, so reads may skip the checksum."""
+
+    @abstractmethod
+    async def exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    @abstractmethod
+    async def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        """Copy each value into the caller's buffer; bytes written, 0 for a miss or a value that does not fit."""
+
+    @abstractmethod
+    async def put(self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]) -> None:
+        """Store all values; batched into one transaction where the backend can."""
+
+    @abstractmethod
+    async def delete(self, keys: Sequence[str]) -> None: ...
+
+    @abstractmethod
+    def keys(self, prefix: str | None = None) -> AsyncIterator[str]: ...
+
+    @abstractmethod
+    async def stats(self) -> BackendStats: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    @abstractmethod
+    async def read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:
+        """Hand each stored value to `sink(i, view)`, copying nothing on the way where the backend can.
+
+        This is the restore fast path: LMDB passes views of its mmap, the host tier its own bytes,
+        so a value is copied once, straight into its destination. `sink` may run on a worker
+        thread and must not raise. Returns which keys were found.
+        """
+
+    async def aclose(self) -> None:
+        await self.close()

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentstate import ModelSpec, StateStore
+
+SPEC4 = ModelSpec(model_id="test/tiny", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+SPEC32 = ModelSpec(model_id="test/llama-8b-shape", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+
+
+def random_kv(spec: ModelSpec, num_tokens: int, seed: int = 0) -> torch.Tensor:
+    """Canonical KV of arbitrary bit patterns (NaNs and infs included): bit-exactness is about bytes."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (*spec.kv_shape(num_tokens)[:-1], spec.head_dim * spec.torch_dtype.itemsize),
+                        dtype=torch.uint8, generator=g)  # fmt: skip
+    return raw.view(spec.torch_dtype)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8))
+
+
+def random_tokens(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed + 1_000_003)
+    return torch.randint(0, 150_000, (n,), generator=g).tolist()
+
+
+@pytest.fixture
+def spec() -> ModelSpec:
+    return SPEC4
+
+
+@pytest.fixture
+def open_store(tmp_path: Path) -> Callable[..., object]:
+    """Open a StateStore on the test's data directory (same directory on every call)."""
+
+    def factory(spec: ModelSpec = SPEC4, **overrides: object):  # type: ignore[no-untyped-def]
+        overrides.setdefault("chunk_tokens", 64)
+        overrides.setdefault("lmdb_map_size", 64 << 20)
+        return StateStore.open(tmp_path / "data", spec, **overrides)
+
+    return factory
+
+
+@pytest.fixture
+async def store(open_store: Callable[..., object]) -> AsyncIterator[StateStore]:
+    async with open_store() as s:  # type: ignore[attr-defined]
+        yield s
