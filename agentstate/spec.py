@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-from functools import cached_property
-
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -53,9 +51,13 @@ class ModelSpec(BaseModel):
             raise ValueError(f"tp_rank {self.tp_rank} must be < tp_size {self.tp_size}")
         return self
 
-    @cached_property
+    @property
     def fingerprint(self) -> str:
-        """32 hex chars of blake2b over the canonical JSON of every field."""
+        """32 hex chars of blake2b over the canonical JSON of every field.
+
+        Computed on each access (microseconds): a cached value would survive `model_copy(update=...)`
+        and name the wrong spec.
+        """
         payload = self.model_dump_json().encode()
         return hashlib.blake2b(payload, digest_size=16, person=b"agentstate-spec").hexdigest()
 

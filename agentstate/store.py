@@ -55,6 +55,7 @@ class StateStore:
     def __init__(self, config: StoreConfig, spec: ModelSpec) -> None:
         self.config = config
         self.spec = spec
+        self.fingerprint = spec.fingerprint
         self.tenant = validate_id(config.tenant, "tenant")
         self.namespace = namespace_for(self.tenant, config.shared_namespace)
         self.chunk_tokens = config.chunk_tokens
@@ -90,7 +91,7 @@ class StateStore:
 
     async def _start(self) -> StateStore:
         """Rebuild the index from the persistent tier: a reopened store finds all it had."""
-        fp = self.spec.fingerprint
+        fp = self.fingerprint
         for prefix in (f"{CHUNK_PREFIX}{fp}/", f"{TAIL_PREFIX}{fp}/"):
             found = [key async for key in self._lmdb.keys(prefix)]
             self.index.add(found, self._lmdb.name)
@@ -112,7 +113,7 @@ class StateStore:
 
     def _keys(self, tokens: Sequence[int]) -> list[str]:
         return list(
-            chunk_keys(tokens, namespace=self.namespace, fingerprint=self.spec.fingerprint, chunk_tokens=self.chunk_tokens)
+            chunk_keys(tokens, namespace=self.namespace, fingerprint=self.fingerprint, chunk_tokens=self.chunk_tokens)
         )
 
     def _slices(self, kv: torch.Tensor, count: int) -> list[torch.Tensor]:
@@ -247,14 +248,14 @@ class StateStore:
         async with self._session_lock(session_id):
             prev = await self._catalog.get(self.tenant, session_id)
             version = prev.version + 1 if prev else 1
-            tkey = tail_key(self.spec.fingerprint, self.tenant, session_id, version) if len(packed) > full else None
+            tkey = tail_key(self.fingerprint, self.tenant, session_id, version) if len(packed) > full else None
             with self._pinned(keys + ([tkey] if tkey else [])):
                 await self._store_chunks(keys, kv)
                 if tkey:
                     await self._transfer.write([tkey], [kv[:, :, full:]], self.tiers)
                 stamp = now()
                 manifest = SessionManifest(
-                    session_id=session_id, tenant=self.tenant, fingerprint=self.spec.fingerprint,
+                    session_id=session_id, tenant=self.tenant, fingerprint=self.fingerprint,
                     chunk_tokens=self.chunk_tokens, tokens=packed.tolist(), chunk_keys=keys, tail_key=tkey,
                     state=state, version=version, parent=prev.parent if prev else None,
                     created_at=prev.created_at if prev else stamp, updated_at=stamp,
@@ -271,9 +272,9 @@ class StateStore:
         manifest = await self._catalog.get(self.tenant, session_id)
         if manifest is None or manifest.expired():
             raise SessionNotFoundError(f"no session {session_id!r}")
-        if manifest.fingerprint != self.spec.fingerprint:
+        if manifest.fingerprint != self.fingerprint:
             raise SpecMismatchError(
-                f"session {session_id!r} was stored for spec {manifest.fingerprint}, this store serves {self.spec.fingerprint}"
+                f"session {session_id!r} was stored for spec {manifest.fingerprint}, this store serves {self.fingerprint}"
             )
         return manifest
 
@@ -305,7 +306,7 @@ class StateStore:
             pins = list(src.chunk_keys)
             if src.tail_key:
                 tail = self.spec.empty_kv(src.tail_tokens)
-                tkey = tail_key(self.spec.fingerprint, self.tenant, new_id, 1)
+                tkey = tail_key(self.fingerprint, self.tenant, new_id, 1)
                 pins.append(tkey)
             with self._pinned(pins):
                 if src.tail_key and tkey:
@@ -343,7 +344,7 @@ class StateStore:
                 with contextlib.suppress(SessionNotFoundError):
                     await self.delete(manifest.session_id)
                     removed += 1
-        fp = self.spec.fingerprint
+        fp = self.fingerprint
         chunk = [k async for k in self._lmdb.keys(f"{CHUNK_PREFIX}{fp}/") if not self.index.pinned(k)]
         counts = await self._catalog.refcounts(chunk)
         orphans = [k for k, n in zip(chunk, counts) if n == 0]
@@ -358,7 +359,7 @@ class StateStore:
 
     async def stats(self) -> StoreStats:
         return StoreStats(
-            fingerprint=self.spec.fingerprint, tenant=self.tenant, sessions=await self._catalog.session_count(),
+            fingerprint=self.fingerprint, tenant=self.tenant, sessions=await self._catalog.session_count(),
             indexed_keys=len(self.index), tiers=[await t.stats() for t in self.tiers],
             counters=dict(self._transfer.counts),
         )  # fmt: skip

@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from agentstate.errors import InvalidArgumentError, InvalidSessionIdError
+from agentstate.keys import chunk_keys, namespace_for, tail_key, token_array, validate_id
+from tests.conftest import SPEC4, random_tokens
+
+FP = SPEC4.fingerprint
+
+
+def keys(tokens: list[int], ns: str = "tenant:a", fp: str = FP, c: int = 64) -> list[str]:
+    return list(chunk_keys(tokens, namespace=ns, fingerprint=fp, chunk_tokens=c))
+
+
+def test_equal_prefixes_equal_keys_and_chain_diverges_after_a_change() -> None:
+    toks = random_tokens(300)
+    a = keys(toks)
+    assert len(a) == 4  # 300 // 64, the partial rest is a tail
+    other = toks[:100] + [toks[100] + 1] + toks[101:]
+    b = keys(other)
+    assert a[0] == b[0] and all(x != y for x, y in zip(a[1:], b[1:]))
+
+
+def test_keys_are_scoped_by_namespace_spec_and_chunk_size() -> None:
+    toks = random_tokens(128)
+    base = keys(toks)
+    assert keys(toks, ns="tenant:b") != base
+    assert keys(toks, fp="f" * 32) != base
+    assert keys(toks, c=32)[1] != base[0]
+    assert all(k.startswith(f"c/{FP}/") for k in base)
+
+
+def test_keys_are_identical_in_another_process_with_another_hash_seed() -> None:
+    toks = random_tokens(200)
+    code = (
+        "from agentstate.keys import chunk_keys;"
+        f"print('\\n'.join(chunk_keys({toks!r}, namespace='tenant:a', fingerprint={FP!r}, chunk_tokens=64)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "12345"}
+    ).stdout.split()
+    assert out == keys(toks)
+
+
+@pytest.mark.parametrize("bad", ["", "../etc", "a/b", "-x", ".hidden", "a b", "x" * 129, None, 5, "é"])
+def test_bad_ids_rejected(bad: object) -> None:
+    with pytest.raises(InvalidSessionIdError):
+        validate_id(bad)
+
+
+@pytest.mark.parametrize("good", ["s1", "agent-42", "user@team:thread.7", "_x", "x" * 128])
+def test_good_ids_accepted(good: str) -> None:
+    assert validate_id(good) == good
+
+
+def test_bad_tokens_and_namespaces() -> None:
+    with pytest.raises(InvalidArgumentError):
+        token_array([1, -2])
+    with pytest.raises(InvalidArgumentError):
+        token_array(["a"])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgumentError):
+        token_array([2**64])
+    with pytest.raises(InvalidSessionIdError):
+        namespace_for("../t")
+    assert namespace_for("t", shared=True) == "global"
+    assert tail_key(FP, "t", "s", 3) == f"t/{FP}/t/s/3"
