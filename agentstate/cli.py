@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -12,7 +11,7 @@ app = typer.Typer(help="agentstate: KV-state persistence for LLM agents", no_arg
 
 @app.command()
 def demo(
-    data_dir: Optional[Path] = typer.Option(None, help="data directory (default: a temporary one, removed after)"),
+    data_dir: Path | None = typer.Option(None, help="data directory (default: a temporary one, removed after)"),
     agents: int = typer.Option(8, min=1, max=256, help="agents sharing one system prompt"),
     turns: int = typer.Option(4, min=1, max=64, help="turns per agent, a snapshot after each"),
     keep: bool = typer.Option(False, help="keep the temporary data directory"),

@@ -19,6 +19,7 @@ buffer whose checksum fails never reaches a caller.
 
 from __future__ import annotations
 
+import mmap
 import struct
 import warnings
 from typing import NamedTuple
@@ -64,17 +65,21 @@ def _checksum(header: memoryview, payload: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload, seed=xxhash.xxh3_64_intdigest(header[: _FIELDS.size]))
 
 
-def encode(kv: torch.Tensor, fingerprint: str) -> bytearray:
-    """Encode one chunk of canonical KV (any strides, CPU or not) into fresh, self-describing bytes.
+def encode(kv: torch.Tensor, fingerprint: str, out: bytearray | mmap.mmap | None = None) -> bytearray | mmap.mmap:
+    """Encode one chunk of canonical KV (any strides, CPU or not) into self-describing bytes.
 
-    The single copy made here is also the gather that makes a strided slice layer-major.
+    Writes into `out` (exactly `encoded_size` bytes) or a fresh buffer. The single copy made here
+    is also the gather that makes a strided slice layer-major.
     """
     if kv.dtype not in DTYPE_CODES:
         raise CorruptDataError(f"dtype {kv.dtype} cannot be encoded")
     if kv.dim() != 5:
         raise CorruptDataError(f"canonical KV has 5 dims, got {kv.dim()}")
     nbytes = kv.numel() * kv.element_size()
-    out = bytearray(HEADER_SIZE + nbytes)
+    if out is None:
+        out = bytearray(HEADER_SIZE + nbytes)
+    elif len(out) != HEADER_SIZE + nbytes:
+        raise CorruptDataError(f"output buffer is {len(out)} bytes, the chunk needs {HEADER_SIZE + nbytes}")
     if nbytes:
         dest = torch.frombuffer(out, dtype=kv.dtype, offset=HEADER_SIZE, count=kv.numel()).view(kv.shape)
         dest.copy_(kv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 

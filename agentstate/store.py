@@ -30,6 +30,7 @@ from agentstate.errors import (
 from agentstate.index import ChunkIndex
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, chunk_keys, namespace_for, tail_key, token_array, validate_id
 from agentstate.manifest import MatchResult, ResumeResult, SessionManifest, now
+from agentstate.memory import empty_host
 from agentstate.spec import ModelSpec
 from agentstate.transfer import Transfer
 
@@ -278,10 +279,19 @@ class StateStore:
             )
         return manifest
 
-    async def resume(self, session_id: str) -> ResumeResult:
-        """Restore a session's tokens, state and KV, exact to the last token (tail included)."""
+    async def resume(self, session_id: str, into: torch.Tensor | None = None) -> ResumeResult:
+        """Restore a session's tokens, state and KV, exact to the last token (tail included).
+
+        KV lands in `into` (canonical, at least as many tokens as the session) when given, as an
+        engine would pass its own buffer; else in a fresh huge-page host tensor.
+        """
         manifest = await self._manifest(session_id)
-        kv = self.spec.empty_kv(manifest.num_tokens)
+        if into is None:
+            kv = empty_host(self.spec.kv_shape(manifest.num_tokens), self.spec.torch_dtype)
+        else:
+            kv = self._check_into(into)
+            if kv.shape[2] < manifest.num_tokens:
+                raise KVShapeError(f"into holds {kv.shape[2]} tokens, session {session_id!r} has {manifest.num_tokens}")
         keys: list[str] = list(manifest.chunk_keys)
         dests = self._slices(kv, len(keys))
         if manifest.tail_key:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from agentstate import codec
 from agentstate.backends.base import Backend
 from agentstate.errors import AgentStateError, CapacityError
 from agentstate.index import ChunkIndex
+from agentstate.memory import copy_bytes, host_buffer
 
 log = logging.getLogger("agentstate.transfer")
 T = TypeVar("T")
@@ -91,7 +93,7 @@ class Transfer:
 
     async def _read_tier(self, tier: Backend, keys: list[str], dests: list[torch.Tensor]) -> list[bool]:
         status: list[str] = ["missing"] * len(keys)
-        promote: dict[int, bytes] = {}
+        promote: dict[int, bytearray | mmap.mmap] = {}
         do_promote = self.promote_to is not None and tier is not self.promote_to
         verify = not tier.trusted
 
@@ -105,7 +107,7 @@ class Transfer:
                     return
                 status[i] = "ok"
                 if do_promote:
-                    promote[i] = bytes(view)
+                    promote[i] = copy_bytes(view)
 
             return lambda: tier.read([keys[i] for i in run], sink)
 
@@ -137,7 +139,8 @@ class Transfer:
         def writer(run: list[int]) -> Callable[[], Awaitable[None]]:
             async def go() -> None:
                 values = await loop.run_in_executor(
-                    self.pool, lambda: [codec.encode(chunks[i], self.fingerprint) for i in run]
+                    self.pool,
+                    lambda: [codec.encode(chunks[i], self.fingerprint, host_buffer(sizes[i])) for i in run],
                 )
                 run_keys = [keys[i] for i in run]
                 await asyncio.gather(*(self.put_tier(tier, run_keys, values) for tier in tiers))
@@ -148,7 +151,7 @@ class Transfer:
         self.counts["bytes_written"] += sum(sizes)
         return sum(sizes)
 
-    async def put_tier(self, tier: Backend, keys: list[str], values: Sequence[bytes | bytearray]) -> None:
+    async def put_tier(self, tier: Backend, keys: list[str], values: Sequence[bytes | bytearray | mmap.mmap]) -> None:
         """Put to one tier. A full non-durable tier is a cache miss later, not a failed store."""
         try:
             await tier.put(keys, values)

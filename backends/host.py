@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import mmap
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from agentstate.backends.base import Backend, BackendStats, ReadSink
+
 from agentstate.errors import CapacityError, InvalidArgumentError
 
 EvictCallback = Callable[[list[str]], None]
@@ -16,7 +18,7 @@ EvictCallback = Callable[[list[str]], None]
 class HostBackend(Backend):
     """An LRU byte cache of encoded chunks.
 
-    `put` keeps the caller's `bytes`/`bytearray` object itself (values are immutable by contract),
+    `put` keeps the caller's `bytes`/`bytearray`/`mmap` object itself (values are immutable by contract),
     so storing a freshly encoded chunk copies nothing. Pinned keys are never evicted; when only
     pinned keys are left and a value does not fit, `put` raises CapacityError for it.
     Reads copy on a small thread pool so that copies of several chunks use several cores.
@@ -31,7 +33,7 @@ class HostBackend(Backend):
             raise InvalidArgumentError("capacity_bytes must be >= 0")
         self.capacity_bytes = capacity_bytes
         self.on_evict = on_evict
-        self._items: OrderedDict[str, bytes | bytearray] = OrderedDict()
+        self._items: OrderedDict[str, bytes | bytearray | mmap.mmap] = OrderedDict()
         self._pins: Counter[str] = Counter()
         self._used = 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agentstate-host")
@@ -52,8 +54,8 @@ class HostBackend(Backend):
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         return [key in self._items for key in keys]
 
-    def _lookup(self, keys: Sequence[str]) -> list[bytes | bytearray | None]:
-        found: list[bytes | bytearray | None] = []
+    def _lookup(self, keys: Sequence[str]) -> list[bytes | bytearray | mmap.mmap | None]:
+        found: list[bytes | bytearray | mmap.mmap | None] = []
         for key in keys:
             value = self._items.get(key)
             if value is None:
@@ -93,7 +95,7 @@ class HostBackend(Backend):
                 if key in self._items:
                     self._items.move_to_end(key)
                     continue
-                owned = value if isinstance(value, (bytes, bytearray)) else bytes(value)
+                owned = value if isinstance(value, (bytes, bytearray, mmap.mmap)) else bytes(value)
                 evicted += self._make_room(len(owned))
                 self._items[key] = owned
                 self._used += len(owned)

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
-
 from agentstate.backends.base import Backend, BackendStats, ReadSink
+
 from agentstate.errors import BackendError, CapacityError
 
 _KEYS_PAGE = 1024

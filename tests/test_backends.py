@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-
 from agentstate.backends.base import Backend
 from agentstate.backends.host import HostBackend
 from agentstate.backends.lmdb import LMDBBackend

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 import pytest
-
 from agentstate.backends.host import HostBackend
+
 from agentstate.errors import CapacityError
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import lmdb
 import pytest
-
 from agentstate.backends.lmdb import LMDBBackend
+
 from agentstate.errors import CapacityError
 
 
