@@ -23,7 +23,7 @@ _NO_VERSION = 0
 
 
 class Catalog:
-    def __init__(self, path: str | Path, *, map_size: int = 1 << 30) -> None:
+    def __init__(self, path: str | Path, *, map_size: int = 64 << 20) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         try:
             self._env = lmdb.open(str(path), map_size=map_size, max_dbs=3, subdir=True)
@@ -36,6 +36,19 @@ class Catalog:
 
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _write(self, fn):  # type: ignore[no-untyped-def]
+        """Run a write transaction body, growing the map when full (one thread: no txn is open then)."""
+
+        def run():  # type: ignore[no-untyped-def]
+            while True:
+                try:
+                    with self._env.begin(write=True) as txn:
+                        return fn(txn)
+                except lmdb.MapFullError:
+                    self._env.set_mapsize(self._env.info()["map_size"] * 2)
+
+        return await self._run(run)
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -78,57 +91,52 @@ class Catalog:
         Returns the chunk keys that no longer have any reference.
         """
 
-        def run() -> list[str]:
-            key = self._skey(manifest.tenant, manifest.session_id)
-            with self._env.begin(write=True) as txn:
-                raw = txn.get(key, db=self._sessions)
-                old = None if raw is None else self._parse(raw)
-                found = _NO_VERSION if old is None else old.version
-                if found != (expected_version or _NO_VERSION):
-                    raise ConflictError(
-                        f"session {manifest.session_id!r} is at version {found}, expected {expected_version}"
-                    )
-                txn.put(key, manifest.model_dump_json().encode(), db=self._sessions)
-                self._add_refs(txn, manifest.chunk_keys, +1)
-                return self._add_refs(txn, old.chunk_keys if old else [], -1)
+        key = self._skey(manifest.tenant, manifest.session_id)
+        body = manifest.model_dump_json().encode()
 
-        return await self._run(run)
+        def run(txn: lmdb.Transaction) -> list[str]:
+            raw = txn.get(key, db=self._sessions)
+            old = None if raw is None else self._parse(raw)
+            found = _NO_VERSION if old is None else old.version
+            if found != (expected_version or _NO_VERSION):
+                raise ConflictError(f"session {manifest.session_id!r} is at version {found}, expected {expected_version}")
+            txn.put(key, body, db=self._sessions)
+            self._add_refs(txn, manifest.chunk_keys, +1)
+            return self._add_refs(txn, old.chunk_keys if old else [], -1)
+
+        return await self._write(run)
 
     async def remove(self, tenant: str, session_id: str) -> tuple[SessionManifest | None, list[str]]:
-        def run() -> tuple[SessionManifest | None, list[str]]:
-            key = self._skey(tenant, session_id)
-            with self._env.begin(write=True) as txn:
-                raw = txn.pop(key, db=self._sessions)
-                if raw is None:
-                    return None, []
-                old = self._parse(raw)
-                return old, self._add_refs(txn, old.chunk_keys, -1)
+        def run(txn: lmdb.Transaction) -> tuple[SessionManifest | None, list[str]]:
+            raw = txn.pop(self._skey(tenant, session_id), db=self._sessions)
+            if raw is None:
+                return None, []
+            old = self._parse(raw)
+            return old, self._add_refs(txn, old.chunk_keys, -1)
 
-        return await self._run(run)
+        return await self._write(run)
 
     # -- shared prefixes -----------------------------------------------------------------------
 
     async def add_prefix(self, keys: Sequence[str]) -> bool:
         """Record a shared prefix (named by its last key) so its chunks are kept; False if known."""
 
-        def run() -> bool:
-            with self._env.begin(write=True) as txn:
-                name = keys[-1].encode()
-                if txn.get(name, db=self._prefixes) is not None:
-                    return False
-                txn.put(name, "\n".join(keys).encode(), db=self._prefixes)
-                self._add_refs(txn, keys, +1)
-                return True
+        def run(txn: lmdb.Transaction) -> bool:
+            name = keys[-1].encode()
+            if txn.get(name, db=self._prefixes) is not None:
+                return False
+            txn.put(name, "\n".join(keys).encode(), db=self._prefixes)
+            self._add_refs(txn, keys, +1)
+            return True
 
-        return await self._run(run) if keys else False
+        return await self._write(run) if keys else False
 
     async def remove_prefix(self, last_key: str) -> list[str]:
-        def run() -> list[str]:
-            with self._env.begin(write=True) as txn:
-                raw = txn.pop(last_key.encode(), db=self._prefixes)
-                return [] if raw is None else self._add_refs(txn, bytes(raw).decode().split("\n"), -1)
+        def run(txn: lmdb.Transaction) -> list[str]:
+            raw = txn.pop(last_key.encode(), db=self._prefixes)
+            return [] if raw is None else self._add_refs(txn, bytes(raw).decode().split("\n"), -1)
 
-        return await self._run(run)
+        return await self._write(run)
 
     # -- reference counts ----------------------------------------------------------------------
 
