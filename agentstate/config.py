@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from agentstate.keys import validate_id
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+
+class TierConfig(BaseModel):
+    """One storage tier. Order in `StoreConfig.tiers` is fast to slow."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["device", "host", "lmdb", "file"]
+    name: str | None = Field(default=None, description="unique tier name; defaults to the kind")
+    capacity_bytes: int | None = Field(default=None, ge=0, description="cache tiers: evict beyond this")
+    path: Path | None = Field(default=None, description="lmdb/file: directory, relative to the store path")
+    device: str = Field(default="cpu", description="device tier: torch device")
+    o_direct: bool = Field(default=False, description="file tier: O_DIRECT reads")
+
+    @property
+    def tier_name(self) -> str:
+        return self.name or self.kind
 
 
 class StoreConfig(BaseSettings):
@@ -31,6 +49,22 @@ class StoreConfig(BaseSettings):
     io_depth: int = Field(default=8, gt=0, le=1024, description="chunk reads/writes in flight per call")
     io_threads: int = Field(default=4, gt=0, le=256, description="threads for blocking IO and copies")
     batch_bytes: int = Field(default=16 * MiB, gt=0, description="target bytes per backend call")
+    tiers: list[TierConfig] | None = Field(
+        default=None, description="tiers fast to slow; default: host (host_capacity_bytes) over lmdb"
+    )
+    record_tier: str | None = Field(default=None, description="durable tier sessions commit to; default lmdb")
+    write_policy: Literal["write_through", "write_back", "write_through_selective"] = "write_through"
+    write_through_threshold: int = Field(default=2, ge=1, description="hits before a selective write-down")
+    exclusive: bool = Field(default=False, description="a promoted chunk leaves the cache tier it came from")
+    prefetch_policy: Literal["wait_complete", "best_effort", "timeout"] = "wait_complete"
+    prefetch_timeout_base_s: float = Field(default=0.05, ge=0)
+    prefetch_timeout_per_1k_tokens_s: float = Field(default=0.02, ge=0)
+
+    def tier_list(self) -> list[TierConfig]:
+        if self.tiers is not None:
+            return list(self.tiers)
+        host = [TierConfig(kind="host", capacity_bytes=self.host_capacity_bytes)] if self.host_capacity_bytes else []
+        return host + [TierConfig(kind="lmdb", path=Path("chunks"))]
 
     def model_post_init(self, __context: object) -> None:
         validate_id(self.tenant, "tenant")

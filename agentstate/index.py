@@ -72,6 +72,10 @@ class ChunkIndex:
                 node.last_access = now
                 node.hits += 1
 
+    def hits(self, key: str) -> int:
+        node = self._nodes.get(key)
+        return node.hits if node else 0
+
     def pin(self, keys: Iterable[str]) -> None:
         self._pins.update(keys)
 

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Generator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -15,10 +15,8 @@ import torch
 from pydantic import BaseModel
 
 from agentstate.backends.base import Backend, BackendStats
-from agentstate.backends.host import HostBackend
-from agentstate.backends.lmdb import LMDBBackend
 from agentstate.catalog import Catalog
-from agentstate.config import StoreConfig
+from agentstate.config import StoreConfig, TierConfig
 from agentstate.errors import (
     ConflictError,
     CorruptDataError,
@@ -28,11 +26,15 @@ from agentstate.errors import (
     SpecMismatchError,
 )
 from agentstate.index import ChunkIndex
+from agentstate.io import IOEngine, batches
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, chunk_keys, namespace_for, tail_key, token_array, validate_id
 from agentstate.manifest import MatchResult, ResumeResult, SessionManifest, now
 from agentstate.memory import empty_host
+from agentstate.prefetch import PrefetchHandle, PrefetchPolicy, deadline_for
 from agentstate.spec import ModelSpec
-from agentstate.transfer import Transfer
+from agentstate.target import KVTarget, TensorTarget
+from agentstate.tiers import Tier, TierManager
+from agentstate.transfer import Span, Transfer
 
 log = logging.getLogger("agentstate.store")
 
@@ -62,25 +64,54 @@ class StateStore:
         self.chunk_tokens = config.chunk_tokens
         self.index = ChunkIndex()
         self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="agentstate-cpu")
-        root = Path(config.path)
-        self._lmdb = LMDBBackend(
-            root / "chunks", map_size=config.lmdb_map_size, max_map_size=config.lmdb_max_map_size,
-            threads=config.io_threads,
+        self._catalog = Catalog(Path(config.path) / "catalog")
+        tiers = [self._build_tier(t) for t in config.tier_list()]
+        record = config.record_tier or next(
+            (t.name for t in tiers if t.backend.durable and t.name == "lmdb"),
+            next((t.name for t in reversed(tiers) if t.backend.durable), ""),
+        )
+        self.manager = TierManager(
+            tiers, self.index, record=record, policy=config.write_policy,
+            threshold=config.write_through_threshold, exclusive=config.exclusive,
         )  # fmt: skip
-        self._catalog = Catalog(root / "catalog")
-        self._host: HostBackend | None = None
-        if config.host_capacity_bytes:
-            self._host = HostBackend(
-                config.host_capacity_bytes, on_evict=lambda keys: self.index.discard(keys, "host")
-            )
-        self.tiers: list[Backend] = [t for t in (self._host, self._lmdb) if t is not None]
+        self.record = self.manager.record
+        self.io = IOEngine(config.io_depth)
         self._transfer = Transfer(
-            fingerprint=spec.fingerprint, tiers=self.tiers, index=self.index, pool=self._pool,
-            io_depth=config.io_depth, batch_bytes=config.batch_bytes,
-            promote_to=self._host if config.promote_on_read else None,
+            spec=spec, manager=self.manager, io=self.io, pool=self._pool,
+            batch_bytes=config.batch_bytes, promote=config.promote_on_read,
         )  # fmt: skip
         self._locks: dict[str, asyncio.Lock] = {}
         self._deleting: dict[str, asyncio.Future[None]] = {}
+
+    def _build_tier(self, cfg: TierConfig) -> Tier:
+        root, name = Path(self.config.path), cfg.tier_name
+        backend: Backend
+        if cfg.kind == "host":
+            from agentstate.backends.host import HostBackend
+
+            backend = HostBackend(cfg.capacity_bytes if cfg.capacity_bytes is not None else 1 << 62)
+        elif cfg.kind == "device":
+            from agentstate.backends.device import DeviceBackend
+
+            backend = DeviceBackend(cfg.device)
+        elif cfg.kind == "lmdb":
+            from agentstate.backends.lmdb import LMDBBackend
+
+            backend = LMDBBackend(
+                root / (cfg.path or name), map_size=self.config.lmdb_map_size,
+                max_map_size=self.config.lmdb_max_map_size, threads=self.config.io_threads,
+            )  # fmt: skip
+        else:
+            from agentstate.backends.file import FileBackend
+
+            backend = FileBackend(root / (cfg.path or name), threads=self.config.io_threads, o_direct=cfg.o_direct)
+        backend.name = name
+        capacity = cfg.capacity_bytes if cfg.kind in ("host", "device", "file") else None
+        return Tier(backend, capacity=capacity, is_device=cfg.kind == "device")
+
+    @property
+    def tiers(self) -> list[Backend]:
+        return [t.backend for t in self.manager.tiers]
 
     @classmethod
     def open(cls, path_or_config: str | Path | StoreConfig, spec: ModelSpec, **overrides: Any) -> _Opening:
@@ -93,9 +124,11 @@ class StateStore:
     async def _start(self) -> StateStore:
         """Rebuild the index from the persistent tier: a reopened store finds all it had."""
         fp = self.fingerprint
-        for prefix in (f"{CHUNK_PREFIX}{fp}/", f"{TAIL_PREFIX}{fp}/"):
-            found = [key async for key in self._lmdb.keys(prefix)]
-            self.index.add(found, self._lmdb.name)
+        found: dict[str, list[str]] = {}
+        for tier in self.manager.tiers:
+            if tier.backend.durable:
+                found[tier.name] = [k for p in (CHUNK_PREFIX, TAIL_PREFIX) async for k in tier.backend.keys(f"{p}{fp}/")]
+        await self.manager.adopt_existing(found)
         return self
 
     async def __aenter__(self) -> StateStore:
@@ -140,15 +173,22 @@ class StateStore:
             if not lock.locked() and self._locks.get(session_id) is lock:
                 del self._locks[session_id]
 
-    async def _store_chunks(self, keys: list[str], kv: torch.Tensor) -> int:
-        """Write the chunks the durable tier lacks (dedupe); returns how many were new. Keys must be pinned."""
+    async def _store_chunks(self, keys: list[str], kv: torch.Tensor, *, durable: bool) -> int:
+        """Write the chunks not stored yet (dedupe); returns how many were new. Keys must be pinned.
+
+        Durable stores (snapshots) dedupe against the record tier only: a chunk held by a cache
+        alone is written again, to the record tier.
+        """
         waits = {self._deleting[k] for k in keys if k in self._deleting}
         if waits:
             await asyncio.gather(*waits)
-        missing = [i for i, k in enumerate(keys) if not self.index.holds(k, self._lmdb.name)]
+        if durable:
+            missing = [i for i, k in enumerate(keys) if not self.index.holds(k, self.record.name)]
+        else:
+            missing = [i for i, k in enumerate(keys) if not self.index.tiers_of(k)]
         if missing:
             slices = self._slices(kv, len(keys))
-            await self._transfer.write([keys[i] for i in missing], [slices[i] for i in missing], self.tiers)
+            await self._transfer.write([keys[i] for i in missing], [slices[i] for i in missing], durable=durable)
         return len(missing)
 
     async def _collect(self, zeroed: list[str]) -> None:
@@ -170,21 +210,26 @@ class StateStore:
                     for tier in held[key]:
                         self.index.add([key], tier)
             if dead:
-                await asyncio.gather(*(tier.delete(dead) for tier in self.tiers))
+                await self.manager.delete(dead)
         finally:
             for key in candidates:
                 del self._deleting[key]
             done.set_result(None)
 
-    async def _drop(self, keys: list[str]) -> None:
-        await asyncio.gather(*(tier.delete(keys) for tier in self.tiers))
-        for tier in self.tiers:
-            self.index.discard(keys, tier.name)
-
-    def _check_into(self, into: object) -> torch.Tensor:
+    def _target(self, into: object) -> KVTarget:
+        if isinstance(into, KVTarget):
+            return into
         if not isinstance(into, torch.Tensor) or into.dim() != 5:
-            raise KVShapeError("into must be a 5-dim canonical KV tensor [layers, planes, tokens, heads, dim]")
-        return self.spec.check_kv(into, into.shape[2])
+            raise KVShapeError("into must be a KVTarget or a 5-dim canonical KV tensor [layers, planes, tokens, heads, dim]")
+        return TensorTarget(into, self.spec)
+
+    def _spans(self, count: int, total: int | None = None) -> list[Span]:
+        """Spans of `count` full chunks, plus a tail running to `total` tokens when given."""
+        c = self.chunk_tokens
+        spans = [(i * c, c) for i in range(count)]
+        if total is not None and total > count * c:
+            spans.append((count * c, total - count * c))
+        return spans
 
     # -- shared prefixes -----------------------------------------------------------------------
 
@@ -197,7 +242,7 @@ class StateStore:
         self.spec.check_kv(kv, len(packed))
         keys = self._keys(packed)
         with self._pinned(keys):
-            new = await self._store_chunks(keys, kv)
+            new = await self._store_chunks(keys, kv, durable=False)
             await self._catalog.add_prefix(keys)
         return new * self.chunk_tokens
 
@@ -205,21 +250,63 @@ class StateStore:
         """How many leading tokens are cached (whole chunks), and which tier serves each chunk."""
         keys = self._keys(token_array(tokens))
         n = self.index.longest_prefix(keys)
-        order = [t.name for t in self.tiers]
-        tiers = [min(self.index.tiers_of(k), key=order.index) for k in keys[:n]]
+        tiers = [self.manager.fastest(k) or "" for k in keys[:n]]
         return MatchResult(tokens=n * self.chunk_tokens, chunks=n, tiers=tiers)
 
-    async def load(self, tokens: Sequence[int] | torch.Tensor, into: torch.Tensor) -> int:
-        """Write the cached prefix of `tokens` into `into[:, :, :n]`; returns n (whole chunks that fit).
-
-        A chunk that turns out missing or corrupt ends the prefix there: n counts only what is
-        in `into` bit-exact.
-        """
-        into = self._check_into(into)
+    def prefetch(self, tokens: Sequence[int] | torch.Tensor) -> PrefetchHandle:
+        """Start bringing the matched prefix of `tokens` into host memory; `load` completes it."""
         keys = self._keys(token_array(tokens))
-        n = min(self.index.longest_prefix(keys), into.shape[2] // self.chunk_tokens)
+        keys = keys[: self.index.longest_prefix(keys)]
+        handle = PrefetchHandle(keys, self.index)
+        slow = [k for k in keys if not self._in_memory(k)]
+        runs = batches([self.chunk_tokens * self.spec.token_bytes] * len(slow), self.config.batch_bytes)
+
+        def op(run: list[str]) -> Callable[[], Awaitable[None]]:
+            async def go() -> None:
+                handle.staged.update(await self._transfer.fetch(run, [self.chunk_tokens] * len(run)))
+
+            return go
+
+        handle.start(self.io.submit([op([slow[i] for i in run]) for run in runs]))
+        return handle
+
+    def _in_memory(self, key: str) -> bool:
+        return any(not t.backend.durable for t in self.manager.holders(key))
+
+    async def load(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        into: torch.Tensor | KVTarget,
+        *,
+        policy: PrefetchPolicy | None = None,
+        timeout: float | None = None,
+        prefetch: PrefetchHandle | None = None,
+    ) -> int:
+        """Write the cached prefix of `tokens` into `into`; returns how many tokens landed (whole chunks).
+
+        `into` is a canonical tensor or a KVTarget (e.g. a paged pool). A chunk that turns out
+        missing or corrupt ends the prefix there. Under `best_effort`/`timeout` only what is in
+        memory by the deadline is copied; the rest keeps arriving in the background.
+        """
+        target = self._target(into)
+        packed = token_array(tokens)
+        keys = self._keys(packed)
+        n = min(self.index.longest_prefix(keys), target.num_tokens // self.chunk_tokens)
+        policy = policy or self.config.prefetch_policy
+        deadline = deadline_for(
+            policy, n * self.chunk_tokens, timeout=timeout, base=self.config.prefetch_timeout_base_s,
+            per_1k=self.config.prefetch_timeout_per_1k_tokens_s,
+        )  # fmt: skip
+        if deadline is None:
+            if prefetch is not None:
+                await prefetch.wait()
+        else:
+            prefetch = prefetch or self.prefetch(packed)
+            await prefetch.wait(deadline)
+            n = min(n, prefetch.ready(self._in_memory))
         with self._pinned(keys[:n]):
-            ok = await self._transfer.read_into(keys[:n], self._slices(into, n))
+            ok = await self._transfer.read(keys[:n], self._spans(n), target, staged=prefetch.staged if prefetch else None)
+        target.synchronize()
         return _leading(ok) * self.chunk_tokens
 
     # -- sessions ------------------------------------------------------------------------------
@@ -251,9 +338,9 @@ class StateStore:
             version = prev.version + 1 if prev else 1
             tkey = tail_key(self.fingerprint, self.tenant, session_id, version) if len(packed) > full else None
             with self._pinned(keys + ([tkey] if tkey else [])):
-                await self._store_chunks(keys, kv)
+                await self._store_chunks(keys, kv, durable=True)
                 if tkey:
-                    await self._transfer.write([tkey], [kv[:, :, full:]], self.tiers)
+                    await self._transfer.write([tkey], [kv[:, :, full:]], durable=True)
                 stamp = now()
                 manifest = SessionManifest(
                     session_id=session_id, tenant=self.tenant, fingerprint=self.fingerprint,
@@ -265,7 +352,7 @@ class StateStore:
                 zeroed = await self._catalog.commit(manifest, prev.version if prev else None)
             await self._collect(zeroed)
             if prev and prev.tail_key and prev.tail_key != tkey:
-                await self._drop([prev.tail_key])
+                await self.manager.delete([prev.tail_key])
         return manifest
 
     async def _manifest(self, session_id: str) -> SessionManifest:
@@ -279,31 +366,32 @@ class StateStore:
             )
         return manifest
 
-    async def resume(self, session_id: str, into: torch.Tensor | None = None) -> ResumeResult:
+    async def resume(self, session_id: str, into: torch.Tensor | KVTarget | None = None) -> ResumeResult:
         """Restore a session's tokens, state and KV, exact to the last token (tail included).
 
-        KV lands in `into` (canonical, at least as many tokens as the session) when given, as an
-        engine would pass its own buffer; else in a fresh huge-page host tensor.
+        KV lands in `into` (a canonical tensor or a KVTarget such as an engine's paged pool, with
+        room for the whole session) when given; else in a fresh huge-page host tensor.
         """
         manifest = await self._manifest(session_id)
+        kv = None
         if into is None:
             kv = empty_host(self.spec.kv_shape(manifest.num_tokens), self.spec.torch_dtype)
-        else:
-            kv = self._check_into(into)
-            if kv.shape[2] < manifest.num_tokens:
-                raise KVShapeError(f"into holds {kv.shape[2]} tokens, session {session_id!r} has {manifest.num_tokens}")
-        keys: list[str] = list(manifest.chunk_keys)
-        dests = self._slices(kv, len(keys))
-        if manifest.tail_key:
-            keys.append(manifest.tail_key)
-            dests.append(kv[:, :, len(manifest.chunk_keys) * self.chunk_tokens :])
+        target = self._target(kv if kv is not None else into)
+        if target.num_tokens < manifest.num_tokens:
+            raise KVShapeError(f"into holds {target.num_tokens} tokens, session {session_id!r} has {manifest.num_tokens}")
+        keys: list[str] = list(manifest.chunk_keys) + ([manifest.tail_key] if manifest.tail_key else [])
         with self._pinned(keys):
-            ok = await self._transfer.read_into(keys, dests)
+            ok = await self._transfer.read(keys, self._spans(len(manifest.chunk_keys), manifest.num_tokens), target)
+        target.synchronize()
         lead = _leading(ok)
         restored = manifest.num_tokens if lead == len(keys) else lead * self.chunk_tokens
         if restored < manifest.num_tokens:
             log.warning("session %s resumed %d of %d tokens: stored data missing or corrupt", session_id, restored, manifest.num_tokens)
-        return ResumeResult(manifest=manifest, kv=kv[:, :, :restored], restored_tokens=restored)
+        if kv is None and isinstance(target, TensorTarget):
+            kv = target.tensor
+        return ResumeResult(
+            manifest=manifest, kv=kv[:, :, :restored] if kv is not None else None, restored_tokens=restored
+        )
 
     async def fork(self, source_id: str, new_id: str) -> SessionManifest:
         """A new session sharing every chunk of `source_id` (no copy); only the small tail is copied."""
@@ -320,9 +408,10 @@ class StateStore:
                 pins.append(tkey)
             with self._pinned(pins):
                 if src.tail_key and tkey:
-                    if not (await self._transfer.read_into([src.tail_key], [tail]))[0]:
+                    span = [(0, src.tail_tokens)]
+                    if not (await self._transfer.read([src.tail_key], span, TensorTarget(tail, self.spec)))[0]:
                         raise CorruptDataError(f"tail of session {source_id!r} is missing or corrupt")
-                    await self._transfer.write([tkey], [tail], self.tiers)
+                    await self._transfer.write([tkey], [tail], durable=True)
                 stamp = now()
                 manifest = src.model_copy(
                     update=dict(session_id=new_id, tail_key=tkey, version=1, parent=source_id, created_at=stamp, updated_at=stamp)
@@ -339,7 +428,7 @@ class StateStore:
                 raise SessionNotFoundError(f"no session {session_id!r}")
             await self._collect(zeroed)
             if manifest.tail_key:
-                await self._drop([manifest.tail_key])
+                await self.manager.delete([manifest.tail_key])
 
     async def sessions(self) -> AsyncIterator[SessionManifest]:
         for manifest in await self._catalog.list(self.tenant):
@@ -355,23 +444,24 @@ class StateStore:
                     await self.delete(manifest.session_id)
                     removed += 1
         fp = self.fingerprint
-        chunk = [k async for k in self._lmdb.keys(f"{CHUNK_PREFIX}{fp}/") if not self.index.pinned(k)]
+        record = self.record.backend
+        chunk = [k async for k in record.keys(f"{CHUNK_PREFIX}{fp}/") if not self.index.pinned(k)]
         counts = await self._catalog.refcounts(chunk)
         orphans = [k for k, n in zip(chunk, counts) if n == 0]
         await self._collect(orphans)
         live_tails = {m.tail_key for m in await self._catalog.list(None)}
         tails = [
-            k async for k in self._lmdb.keys(f"{TAIL_PREFIX}{fp}/") if k not in live_tails and not self.index.pinned(k)
+            k async for k in record.keys(f"{TAIL_PREFIX}{fp}/") if k not in live_tails and not self.index.pinned(k)
         ]
         if tails:
-            await self._drop(tails)
+            await self.manager.delete(tails)
         return removed + len(orphans) + len(tails)
 
     async def stats(self) -> StoreStats:
         return StoreStats(
             fingerprint=self.fingerprint, tenant=self.tenant, sessions=await self._catalog.session_count(),
             indexed_keys=len(self.index), tiers=[await t.stats() for t in self.tiers],
-            counters=dict(self._transfer.counts),
+            counters={**self._transfer.counts, **self.manager.counts, "io_peak_in_flight": self.io.peak_in_flight},
         )  # fmt: skip
 
 

@@ -1,118 +1,153 @@
-"""Moving chunks between tiers and tensors: batched, bounded in flight, copied once.
+"""Moving chunks between tiers and KV targets: batched, bounded in flight, copied once.
 
-Reads go to the fastest tier the index says holds each chunk; each value is checked (the codec)
-and copied straight from the backend's memory into its destination slice. A chunk that is
-missing or fails its checks on one tier is retried on the next; a corrupt copy is deleted so a
-later store rewrites it. Writes encode on a thread pool and put each batch to every target tier.
+Reads go to the fastest tier the index says holds each chunk; each value is checked by the
+codec and copied straight from the backend's memory into the target. A chunk missing or corrupt
+on one tier is retried on the next; a corrupt copy is deleted (counted, logged) so a later store
+rewrites it. Writes encode on a thread pool into huge-page buffers and go to the tiers the write
+policy names.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 import torch
 
 from agentstate import codec
-from agentstate.backends.base import Backend
-from agentstate.errors import AgentStateError, CapacityError
-from agentstate.index import ChunkIndex
+from agentstate.errors import AgentStateError
+from agentstate.io import IOEngine, batches
 from agentstate.memory import copy_bytes, host_buffer
+from agentstate.spec import ModelSpec
+from agentstate.target import KVTarget
+from agentstate.tiers import Tier, TierManager, Value
 
 log = logging.getLogger("agentstate.transfer")
-T = TypeVar("T")
-
-
-async def bounded_gather(factories: Sequence[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
-    """Run coroutine factories with at most `limit` in flight; results in order."""
-    gate = asyncio.Semaphore(limit)
-
-    async def one(factory: Callable[[], Awaitable[T]]) -> T:
-        async with gate:
-            return await factory()
-
-    return await asyncio.gather(*(one(f) for f in factories))
-
-
-def batches(sizes: Sequence[int], target_bytes: int) -> list[list[int]]:
-    """Split indices into consecutive runs of about `target_bytes` (at least one item each)."""
-    out: list[list[int]] = []
-    run: list[int] = []
-    total = 0
-    for i, size in enumerate(sizes):
-        if run and total + size > target_bytes:
-            out.append(run)
-            run, total = [], 0
-        run.append(i)
-        total += size
-    if run:
-        out.append(run)
-    return out
+Span = tuple[int, int]  # (first token, number of tokens)
 
 
 class Transfer:
     def __init__(
         self,
         *,
-        fingerprint: str,
-        tiers: Sequence[Backend],
-        index: ChunkIndex,
+        spec: ModelSpec,
+        manager: TierManager,
+        io: IOEngine,
         pool: ThreadPoolExecutor,
-        io_depth: int,
         batch_bytes: int,
-        promote_to: Backend | None,
+        promote: bool,
     ) -> None:
-        self.fingerprint = fingerprint
-        self.tiers = list(tiers)
-        self.index = index
+        self.spec = spec
+        self.fingerprint = spec.fingerprint
+        self.manager = manager
+        self.io = io
         self.pool = pool
-        self.io_depth = io_depth
         self.batch_bytes = batch_bytes
-        self.promote_to = promote_to
+        self.promote = promote
         self.counts: Counter[str] = Counter()
+
+    def _chunk_bytes(self, tokens: int) -> int:
+        return codec.encoded_size(tokens * self.spec.token_bytes)
 
     # -- reads ---------------------------------------------------------------------------------
 
-    async def read_into(self, keys: Sequence[str], dests: Sequence[torch.Tensor]) -> list[bool]:
-        """Fill `dests[i]` with chunk `keys[i]`; which ones arrived intact."""
+    async def read(
+        self, keys: Sequence[str], spans: Sequence[Span], target: KVTarget, *, staged: dict[str, Value] | None = None
+    ) -> list[bool]:
+        """Restore chunk `keys[i]` into `target` at `spans[i]`; which ones arrived intact.
+
+        Chunks in `staged` (checked buffers a prefetch already holds) are copied from there.
+        """
+        ok = [False] * len(keys)
+        from_staged = [i for i, k in enumerate(keys) if staged and k in staged]
+        if from_staged:
+            assert staged is not None
+
+            def copy() -> None:
+                for i in from_staged:
+                    src = codec.decode(
+                        staged[keys[i]], fingerprint=self.fingerprint, dtype=self.spec.torch_dtype,
+                        shape=self.spec.kv_shape(spans[i][1]), verify=False,
+                    )  # fmt: skip
+                    target.write(spans[i][0], src)
+                    ok[i] = True
+
+            await asyncio.get_running_loop().run_in_executor(self.pool, copy)
+        rest = [i for i in range(len(keys)) if not ok[i]]
+
+        def into_target(j: int, src: torch.Tensor) -> None:
+            target.write(spans[rest[j]][0], src)
+
+        got = await self._read([keys[i] for i in rest], [spans[i][1] for i in rest], into_target)
+        for i, good in zip(rest, got):
+            ok[i] = good
+        return ok
+
+    async def fetch(self, keys: Sequence[str], tokens: Sequence[int]) -> dict[str, Value]:
+        """Read and check chunks into owned host buffers (staging for prefetch)."""
+        staged: dict[str, Value] = {}
+        await self._read(keys, tokens, None, staged)
+        return staged
+
+    async def _read(
+        self,
+        keys: Sequence[str],
+        tokens: Sequence[int],
+        deliver: Callable[[int, torch.Tensor], None] | None,
+        staged: dict[str, Value] | None = None,
+    ) -> list[bool]:
         ok = [False] * len(keys)
         pending = list(range(len(keys)))
-        for tier in self.tiers:
-            todo = [i for i in pending if self.index.holds(keys[i], tier.name)]
-            if todo:
-                for i, good in zip(todo, await self._read_tier(tier, [keys[i] for i in todo], [dests[i] for i in todo])):
-                    ok[i] = good
-                pending = [i for i in pending if not ok[i]]
+        for tier in self.manager.tiers:
+            todo = [i for i in pending if self.manager.index.holds(keys[i], tier.name)]
+            if not todo:
+                continue
+            got = await self._read_tier(
+                tier, [keys[i] for i in todo], [tokens[i] for i in todo], _remap(deliver, todo), staged
+            )
+            for i, good in zip(todo, got):
+                ok[i] = good
+            pending = [i for i in pending if not ok[i]]
         self.counts.update(chunks_read=sum(ok), chunk_misses=len(keys) - sum(ok))
         return ok
 
-    async def _read_tier(self, tier: Backend, keys: list[str], dests: list[torch.Tensor]) -> list[bool]:
-        status: list[str] = ["missing"] * len(keys)
-        promote: dict[int, bytearray | mmap.mmap] = {}
-        do_promote = self.promote_to is not None and tier is not self.promote_to
-        verify = not tier.trusted
+    async def _read_tier(
+        self,
+        tier: Tier,
+        keys: list[str],
+        tokens: list[int],
+        deliver: Callable[[int, torch.Tensor], None] | None,
+        staged: dict[str, Value] | None,
+    ) -> list[bool]:
+        status = ["missing"] * len(keys)
+        owned: dict[str, Value] = {}
+        keep_copy = staged is not None or (self.promote and tier is not self.manager.tiers[0])
+        verify = not tier.backend.trusted
+        dtype = self.spec.torch_dtype
 
         def reader(run: list[int]) -> Callable[[], Awaitable[list[bool]]]:
             def sink(j: int, view: memoryview) -> None:
                 i = run[j]
                 try:
-                    codec.decode_into(view, dests[i], fingerprint=self.fingerprint, verify=verify)
+                    src = codec.decode(
+                        view, fingerprint=self.fingerprint, dtype=dtype, shape=self.spec.kv_shape(tokens[i]), verify=verify
+                    )
+                    if deliver is not None:
+                        deliver(i, src)
                 except AgentStateError as exc:
                     status[i] = f"corrupt: {exc}"
                     return
                 status[i] = "ok"
-                if do_promote:
-                    promote[i] = copy_bytes(view)
+                if keep_copy:
+                    owned[keys[i]] = copy_bytes(view)
 
-            return lambda: tier.read([keys[i] for i in run], sink)
+            return lambda: tier.backend.read([keys[i] for i in run], sink)
 
-        sizes = [d.numel() * d.element_size() for d in dests]
-        await bounded_gather([reader(run) for run in batches(sizes, self.batch_bytes)], self.io_depth)
+        sizes = [self._chunk_bytes(n) for n in tokens]
+        await self.io.gather([reader(run) for run in batches(sizes, self.batch_bytes)])
 
         missing = [keys[i] for i, s in enumerate(status) if s == "missing"]
         corrupt = [keys[i] for i, s in enumerate(status) if s.startswith("corrupt")]
@@ -121,18 +156,18 @@ class Transfer:
                 log.warning("tier %s: chunk %s is %s; treating it as a miss and dropping it", tier.name, keys[i], s)
         if corrupt:
             self.counts["corrupt"] += len(corrupt)
-            await tier.delete(corrupt)
-        self.index.discard(missing + corrupt, tier.name)
-        self.index.touch(keys[i] for i, s in enumerate(status) if s == "ok")
-        if promote and self.promote_to is not None:
-            order = sorted(promote)
-            await self.put_tier(self.promote_to, [keys[i] for i in order], [promote[i] for i in order])
+        if missing or corrupt:
+            await self.manager.delete(missing + corrupt, [tier])
+        if staged is not None:
+            staged.update(owned)
+        good = [keys[i] for i, s in enumerate(status) if s == "ok"]
+        await self.manager.hit(tier, good, owned if self.promote else {})
         return [s == "ok" for s in status]
 
     # -- writes --------------------------------------------------------------------------------
 
-    async def write(self, keys: Sequence[str], chunks: Sequence[torch.Tensor], tiers: Sequence[Backend]) -> int:
-        """Encode `chunks` and put them to every tier in `tiers`; returns encoded bytes written."""
+    async def write(self, keys: Sequence[str], chunks: Sequence[torch.Tensor], *, durable: bool) -> int:
+        """Encode `chunks` and store them where the write policy says; returns encoded bytes."""
         sizes = [codec.encoded_size(c.numel() * c.element_size()) for c in chunks]
         loop = asyncio.get_running_loop()
 
@@ -142,24 +177,26 @@ class Transfer:
                     self.pool,
                     lambda: [codec.encode(chunks[i], self.fingerprint, host_buffer(sizes[i])) for i in run],
                 )
-                run_keys = [keys[i] for i in run]
-                await asyncio.gather(*(self.put_tier(tier, run_keys, values) for tier in tiers))
+                await self.manager.store([keys[i] for i in run], values, durable=durable)
 
             return go
 
-        await bounded_gather([writer(run) for run in batches(sizes, self.batch_bytes)], 2)
+        # two batches in flight: encode the next while the previous one is written
+        gate = asyncio.Semaphore(2)
+
+        async def bounded(op: Callable[[], Awaitable[None]]) -> None:
+            async with gate:
+                await op()
+
+        await asyncio.gather(*(bounded(writer(run)) for run in batches(sizes, self.batch_bytes)))
         self.counts["bytes_written"] += sum(sizes)
         return sum(sizes)
 
-    async def put_tier(self, tier: Backend, keys: list[str], values: Sequence[bytes | bytearray | mmap.mmap]) -> None:
-        """Put to one tier. A full non-durable tier is a cache miss later, not a failed store."""
-        try:
-            await tier.put(keys, values)
-        except CapacityError as exc:
-            if tier.durable:
-                raise
-            self.counts["cache_full"] += 1
-            log.debug("tier %s full, not caching all of %d chunks: %s", tier.name, len(keys), exc)
-        if not tier.durable:  # a cache may have evicted some of them again to fit the rest
-            keys = [k for k, s in zip(keys, await tier.exists(keys)) if s]
-        self.index.add(keys, tier.name)
+
+def _remap(
+    deliver: Callable[[int, torch.Tensor], None] | None, positions: list[int]
+) -> Callable[[int, torch.Tensor], None] | None:
+    """`deliver` addressed by position in a sub-list instead of in the whole request."""
+    if deliver is None:
+        return None
+    return lambda j, src: deliver(positions[j], src)

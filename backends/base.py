@@ -69,5 +69,18 @@ class Backend(ABC):
         thread and must not raise. Returns which keys were found.
         """
 
+    async def sizes(self, keys: Sequence[str]) -> list[int]:
+        """Stored size of each value, 0 where missing (for capacity accounting after a restart).
+
+        The default reads through `read`; backends that know sizes cheaply (stat) override it.
+        """
+        out = [0] * len(keys)
+
+        def size(i: int, view: memoryview) -> None:
+            out[i] = len(view)
+
+        await self.read(keys, size)
+        return out
+
     async def aclose(self) -> None:
         await self.close()

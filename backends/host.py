@@ -130,6 +130,9 @@ class HostBackend(Backend):
             if prefix is None or key.startswith(prefix):
                 yield key
 
+    async def sizes(self, keys: Sequence[str]) -> list[int]:
+        return [len(self._items[k]) if k in self._items else 0 for k in keys]
+
     async def stats(self) -> BackendStats:
         return BackendStats(
             name=self.name, items=len(self._items), bytes_used=self._used, capacity_bytes=self.capacity_bytes,

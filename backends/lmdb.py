@@ -134,6 +134,13 @@ class LMDBBackend(Backend):
 
         return await self._run(run)
 
+    async def sizes(self, keys: Sequence[str]) -> list[int]:
+        def run() -> list[int]:
+            with self._gate, self._env.begin(buffers=True) as txn:
+                return [len(v) if (v := txn.get(k.encode())) is not None else 0 for k in keys]
+
+        return await self._run(run)
+
     async def keys(self, prefix: str | None = None) -> AsyncIterator[str]:
         start = (prefix or "").encode()
         while True:

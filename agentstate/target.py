@@ -1,0 +1,113 @@
+"""KVTarget: where restored chunks land, written straight into the engine's memory.
+
+A restore decodes each chunk into a zero-copy view of canonical KV `[layers, planes, n, heads,
+dim]` over the backend's memory and hands it to `target.write(start, src)`, which copies it into
+place: a slice of a canonical tensor, or a scatter into a paged pool at the slots of tokens
+`start .. start+n`. On CUDA the host source is first staged into pinned memory, then copied
+non-blocking on a side stream, with one event per chunk so an engine can wait chunk by chunk;
+`synchronize()` waits for all of them. On CPU the same calls are plain copies.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+
+import torch
+
+from agentstate.errors import KVShapeError
+from agentstate.spec import ModelSpec
+
+
+class KVTarget(ABC):
+    """Destination of a restore. `write` may be called from worker threads, for disjoint ranges."""
+
+    num_tokens: int
+    device: torch.device
+
+    @abstractmethod
+    def _copy(self, start: int, src: torch.Tensor) -> None:
+        """Copy `src` (canonical KV of `src.shape[2]` tokens, already on `self.device`) into place."""
+
+    def write(self, start: int, src: torch.Tensor) -> None:
+        n = src.shape[2]
+        if start < 0 or start + n > self.num_tokens:
+            raise KVShapeError(f"tokens {start}..{start + n} fall outside a target of {self.num_tokens} tokens")
+        if self.device.type == "cuda":
+            self._write_cuda(start, src)
+        else:
+            self._copy(start, src if src.device == self.device else src.to(self.device))
+
+    # -- CUDA path (tests marked gpu; runs only where a device exists) --------------------------
+
+    _stream: torch.cuda.Stream | None = None
+    _lock = threading.Lock()
+
+    def _write_cuda(self, start: int, src: torch.Tensor) -> None:  # pragma: no cover - needs a GPU
+        with self._lock:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=self.device)
+                self.events: list[torch.cuda.Event] = []
+                self._staged: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        staged = src
+        if src.device.type == "cpu" and not src.is_pinned():
+            staged = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            staged.copy_(src)  # the source view dies with the read transaction: stage it now
+        with torch.cuda.stream(self._stream):
+            self._copy(start, staged.to(self.device, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        with self._lock:
+            self.events.append(event)
+            # pinned staging must live until its copy ran; release the ones already done
+            self._staged = [(e, t) for e, t in self._staged if not e.query()] + [(event, staged)]
+
+    def synchronize(self) -> None:
+        """Wait until every chunk written so far is in place (a no-op on CPU)."""
+        if self._stream is not None:  # pragma: no cover - needs a GPU
+            self._stream.synchronize()
+            self._staged = []
+
+
+class TensorTarget(KVTarget):
+    """A canonical KV tensor `[layers, planes, tokens, heads, dim]` on any device."""
+
+    def __init__(self, tensor: torch.Tensor, spec: ModelSpec) -> None:
+        self.tensor = spec.check_kv(tensor, tensor.shape[2] if tensor.dim() == 5 else None)
+        self.num_tokens = tensor.shape[2]
+        self.device = tensor.device
+
+    def _copy(self, start: int, src: torch.Tensor) -> None:
+        self.tensor[:, :, start : start + src.shape[2]].copy_(src)
+
+
+class PagedTarget(KVTarget):
+    """An engine-style paged pool `[layers, planes, num_slots, heads, dim]` plus one slot per token.
+
+    Token `t` of the restored sequence lands in slot `slots[t]` (any order, as a page allocator
+    hands them out); each chunk is one `index_copy_` along the slot dimension.
+    """
+
+    def __init__(self, pool: torch.Tensor, slots: torch.Tensor | list[int], spec: ModelSpec) -> None:
+        if not isinstance(pool, torch.Tensor) or pool.dim() != 5:
+            raise KVShapeError("pool must be a 5-dim tensor [layers, planes, num_slots, heads, dim]")
+        spec.check_kv(pool, pool.shape[2])
+        slots = torch.as_tensor(slots, dtype=torch.long)
+        if slots.dim() != 1:
+            raise KVShapeError("slots must be a 1-dim list of slot indices, one per token")
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= pool.shape[2]):
+            raise KVShapeError(f"slot indices must lie in [0, {pool.shape[2]})")
+        if torch.unique(slots).numel() != slots.numel():
+            raise KVShapeError("slot indices must be distinct")
+        self.pool = pool
+        self.slots = slots.to(pool.device)
+        self.num_tokens = slots.numel()
+        self.device = pool.device
+
+    def _copy(self, start: int, src: torch.Tensor) -> None:
+        self.pool.index_copy_(2, self.slots[start : start + src.shape[2]], src)
+
+    def gather(self, num_tokens: int | None = None) -> torch.Tensor:
+        """The canonical KV of the first `num_tokens` tokens, read back out of the pool (for checks)."""
+        n = self.num_tokens if num_tokens is None else num_tokens
+        return self.pool.index_select(2, self.slots[:n])

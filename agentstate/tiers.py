@@ -1,0 +1,247 @@
+"""The tier manager: ordered tiers, byte capacities, LRU, promotion, demotion, write policies.
+
+Tiers are ordered fast to slow. Exactly one is the *record* tier (durable; sessions commit to
+it); tiers above it are caches with a byte capacity, evicted LRU over unpinned chunks. A victim
+that no tier below holds is written down first (demotion), so eviction never loses the only
+copy. Accounting is by value bytes and exact: a tier's used bytes never exceed its capacity.
+
+Write policies decide where a stored chunk goes at store time:
+- `write_through`: every tier from the first non-device tier down to the record tier.
+- `write_back`: only the first non-device tier; lower tiers get it on eviction.
+- `write_through_selective`: like write_back, and written down once it was hit `threshold` times.
+Durable stores (snapshots) always include the record tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import mmap
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from agentstate.backends.base import Backend
+from agentstate.errors import CapacityError, InvalidArgumentError
+from agentstate.index import ChunkIndex
+from agentstate.memory import copy_bytes
+
+log = logging.getLogger("agentstate.tiers")
+WritePolicy = Literal["write_through", "write_back", "write_through_selective"]
+Value = bytes | bytearray | mmap.mmap | memoryview
+
+
+@dataclass
+class Tier:
+    backend: Backend
+    capacity: int | None = None
+    is_device: bool = False
+    lru: OrderedDict[str, int] = field(default_factory=OrderedDict)  # key -> bytes, oldest first
+    used: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    inflight: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+
+class TierManager:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        index: ChunkIndex,
+        *,
+        record: str,
+        policy: WritePolicy = "write_through",
+        threshold: int = 2,
+        exclusive: bool = False,
+    ) -> None:
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(f"tier names must be distinct, got {names}")
+        if record not in names:
+            raise InvalidArgumentError(f"record tier {record!r} is not among {names}")
+        self.tiers = list(tiers)
+        self.index = index
+        self.record = next(t for t in tiers if t.name == record)
+        if not self.record.backend.durable:
+            raise InvalidArgumentError(f"record tier {record!r} must be durable")
+        self.policy = policy
+        self.threshold = threshold
+        self.exclusive = exclusive
+        self.counts: Counter[str] = Counter()
+        self._pos = {t.name: i for i, t in enumerate(tiers)}
+
+    # -- lookup --------------------------------------------------------------------------------
+
+    def tier(self, name: str) -> Tier:
+        return self.tiers[self._pos[name]]
+
+    def holders(self, key: str) -> list[Tier]:
+        held = self.index.tiers_of(key)
+        return [t for t in self.tiers if t.name in held]
+
+    def fastest(self, key: str) -> str | None:
+        holders = self.holders(key)
+        return holders[0].name if holders else None
+
+    def _below(self, tier: Tier) -> list[Tier]:
+        return self.tiers[self._pos[tier.name] + 1 :]
+
+    async def adopt_existing(self, keys_by_tier: dict[str, list[str]]) -> None:
+        """Account for what persistent tiers already hold (after a restart)."""
+        for name, keys in keys_by_tier.items():
+            tier = self.tier(name)
+            sizes = await tier.backend.sizes(keys) if tier.capacity is not None else [0] * len(keys)
+            for key, size in zip(keys, sizes):
+                tier.lru[key] = size
+                tier.used += size
+            self.index.add(keys, name)
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def store_targets(self, durable: bool) -> list[Tier]:
+        """Tiers a newly stored chunk is written to under the write policy."""
+        upper = [t for t in self.tiers if not t.is_device]
+        first = upper[0]
+        if self.policy == "write_through":
+            targets = upper[: upper.index(self.record) + 1] if self.record in upper else upper
+        else:
+            targets = [first]
+        if durable and self.record not in targets:
+            targets.append(self.record)
+        return targets
+
+    async def store(self, keys: Sequence[str], values: Sequence[Value], *, durable: bool) -> None:
+        await asyncio.gather(*(self.put(t, keys, values) for t in self.store_targets(durable)))
+
+    async def put(self, tier: Tier, keys: Sequence[str], values: Sequence[Value]) -> None:
+        """Put into one tier, evicting (and demoting) to make room; returns once all are stored.
+
+        A key another put is still writing is waited for, not written twice. A cache tier that
+        cannot make room (everything pinned) passes its chunks down to the next tier when no
+        tier below holds them yet, so nothing is lost; the record tier raises CapacityError.
+        """
+        waits = {tier.inflight[k] for k in keys if k in tier.inflight}
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        async with tier.lock if tier.capacity is not None else contextlib.nullcontext():
+            new = [(k, v) for k, v in zip(keys, values) if k not in tier.lru]
+            fits, spill = [], []
+            for key, value in new:
+                if tier.capacity is None or await self._make_room(tier, len(value), {k for k, _ in new}):
+                    tier.used += len(value)  # reserve now, so later items of the batch see it
+                    tier.lru[key] = len(value)
+                    tier.inflight[key] = done
+                    fits.append((key, value))
+                else:
+                    spill.append((key, value))
+        # The record tier takes no lock: concurrent puts reach the backend together (group commit).
+        try:
+            if fits:
+                await tier.backend.put([k for k, _ in fits], [v for _, v in fits])
+        except BaseException as exc:
+            self._unreserve(tier, fits)
+            done.set_exception(exc)
+            done.exception()  # retrieved: waiters re-raise it, nobody else needs to
+            raise
+        else:
+            done.set_result(None)
+        finally:
+            for key, _ in fits:
+                if tier.inflight.get(key) is done:
+                    del tier.inflight[key]
+        self.index.add([k for k, _ in fits], tier.name)
+        for key in keys:
+            if key in tier.lru:
+                tier.lru.move_to_end(key)
+        if waits:
+            await asyncio.gather(*waits)
+        if spill:
+            self.counts[f"{tier.name}_full"] += len(spill)
+            below = self._below(tier)
+            orphans = [(k, v) for k, v in spill if not any(self.index.holds(k, t.name) for t in below)]
+            if orphans and below:
+                await self.put(below[0], [k for k, _ in orphans], [v for _, v in orphans])
+            elif orphans:
+                raise CapacityError(f"tier {tier.name} is full and nothing in it can be evicted")
+
+    @staticmethod
+    def _unreserve(tier: Tier, items: Sequence[tuple[str, Value]]) -> None:
+        for key, value in items:
+            if tier.lru.pop(key, None) is not None:
+                tier.used -= len(value)
+
+    async def _make_room(self, tier: Tier, size: int, keep: set[str]) -> bool:
+        """Evict LRU unpinned chunks until `size` more bytes fit. Caller holds `tier.lock`."""
+        assert tier.capacity is not None
+        if size > tier.capacity:
+            return False
+        while tier.used + size > tier.capacity:
+            victim = next(
+                (k for k in tier.lru if k not in keep and k not in tier.inflight and not self.index.pinned(k)), None
+            )
+            if victim is None:
+                return False
+            await self._evict(tier, victim)
+        return True
+
+    async def _evict(self, tier: Tier, key: str) -> None:
+        below = self._below(tier)
+        if below and not any(self.index.holds(key, t.name) for t in below):
+            value = await self.read_bytes(tier, key)
+            if value is not None:
+                self.index.pin([key])
+                try:
+                    await self.put(below[0], [key], [value])
+                finally:
+                    self.index.unpin([key])
+                self.counts["demotions"] += 1
+        await self._remove(tier, [key])
+        self.counts["evictions"] += 1
+
+    async def _remove(self, tier: Tier, keys: Sequence[str]) -> None:
+        for key in keys:
+            tier.used -= tier.lru.pop(key, 0)
+        self.index.discard(keys, tier.name)
+        await tier.backend.delete(keys)
+
+    async def delete(self, keys: Sequence[str], tiers: Sequence[Tier] | None = None) -> None:
+        """Delete from every tier (or the given ones)."""
+        await asyncio.gather(*(self._remove(t, keys) for t in (tiers or self.tiers)))
+
+    @staticmethod
+    async def read_bytes(tier: Tier, key: str) -> Value | None:
+        got: list[Value] = []
+        await tier.backend.read([key], lambda i, view: got.append(copy_bytes(view)))
+        return got[0] if got else None
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def hit(self, tier: Tier, keys: Sequence[str], values: dict[str, Value]) -> None:
+        """Account a read served by `tier`: LRU, hit counts, promotion, selective write-down.
+
+        `values` holds owned copies of chunks read from below the top tier, for promotion.
+        """
+        for key in keys:
+            if key in tier.lru:
+                tier.lru.move_to_end(key)
+        self.index.touch(keys)
+        if values:
+            upper = [t for t in self.tiers[: self._pos[tier.name]]]
+            for target in upper:
+                ks = [k for k in values if not self.index.holds(k, target.name)]
+                if ks:
+                    await self.put(target, ks, [values[k] for k in ks])
+                    self.counts["promotions"] += len(ks)
+            if self.exclusive and tier is not self.record and upper:
+                moved = [k for k in values if self.index.holds(k, upper[-1].name)]
+                await self._remove(tier, moved)
+        if self.policy == "write_through_selective":
+            hot = [k for k in keys if self.index.hits(k) >= self.threshold and not self.index.holds(k, self.record.name)]
+            if hot:
+                held = [(k, await self.read_bytes(tier, k)) for k in hot]
+                await self.put(self.record, [k for k, v in held if v is not None], [v for _, v in held if v is not None])
+                self.counts["selective_writes"] += len(hot)

@@ -1,0 +1,103 @@
+"""Device tier: encoded chunks kept in a torch device's memory (a GPU, or `cpu` here).
+
+The top of the hierarchy: chunks promoted here are served to targets on the same device. Each
+value is one uint8 tensor holding the encoded bytes. On `cpu` reads hand out views of that
+memory (no copy); on CUDA `read` copies to host first, the path used for demotion and for
+targets on other devices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from agentstate.backends.base import Backend, BackendStats, ReadSink
+
+
+class DeviceBackend(Backend):
+    name = "device"
+    durable = False
+    trusted = True
+
+    def __init__(self, device: str | torch.device = "cpu", *, threads: int = 2) -> None:
+        self.device = torch.device(device)
+        self._items: dict[str, torch.Tensor] = {}
+        self._used = 0
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agentstate-device")
+        self._counts: Counter[str] = Counter()
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [k in self._items for k in keys]
+
+    def _host_view(self, value: torch.Tensor) -> memoryview:
+        host = value if value.device.type == "cpu" else value.cpu()
+        return memoryview(host.numpy())
+
+    async def read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:
+        values = [self._items.get(k) for k in keys]
+
+        def run() -> None:
+            for i, value in enumerate(values):
+                if value is not None:
+                    sink(i, self._host_view(value))
+
+        await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        hits = sum(v is not None for v in values)
+        self._counts.update(reads=hits, misses=len(values) - hits)
+        return [v is not None for v in values]
+
+    async def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        written = [0] * len(keys)
+
+        def copy(i: int, view: memoryview) -> None:
+            if len(view) <= len(buffers[i]):
+                buffers[i][: len(view)] = view
+                written[i] = len(view)
+
+        await self.read(keys, copy)
+        return written
+
+    async def put(self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]) -> None:
+        def run() -> list[torch.Tensor]:
+            out = []
+            for value in values:
+                host = torch.frombuffer(value, dtype=torch.uint8) if len(value) else torch.empty(0, dtype=torch.uint8)
+                out.append(host.to(self.device, copy=True))
+            return out
+
+        tensors = await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        for key, tensor in zip(keys, tensors):
+            if key not in self._items:
+                self._items[key] = tensor
+                self._used += tensor.numel()
+                self._counts["writes"] += 1
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            tensor = self._items.pop(key, None)
+            if tensor is not None:
+                self._used -= tensor.numel()
+                self._counts["deletes"] += 1
+
+    async def keys(self, prefix: str | None = None) -> AsyncIterator[str]:
+        for key in list(self._items):
+            if prefix is None or key.startswith(prefix):
+                yield key
+
+    async def sizes(self, keys: Sequence[str]) -> list[int]:
+        return [self._items[k].numel() if k in self._items else 0 for k in keys]
+
+    async def stats(self) -> BackendStats:
+        return BackendStats(
+            name=self.name, items=len(self._items), bytes_used=self._used, capacity_bytes=None,
+            **{k: self._counts[k] for k in ("reads", "writes", "deletes", "misses", "errors")},
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        self._items.clear()
+        self._used = 0
+        self._pool.shutdown(wait=True)
