@@ -61,7 +61,8 @@ class MatchResult(BaseModel):
 
 
 class ResumeResult(BaseModel):
-    """A restored session. `kv` holds the first `restored_tokens` tokens of `tokens`, bit-exact.
+    """A restored session. `kv` holds the first `restored_tokens` tokens of `tokens`, bit-exact
+    (None when the KV was restored into a caller's KVTarget instead, such as a paged pool).
 
     `restored_tokens < len(tokens)` only when stored data was missing or corrupt: the engine
     recomputes the rest from `tokens`, which are always complete.
@@ -70,7 +71,7 @@ class ResumeResult(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
     manifest: SessionManifest
-    kv: torch.Tensor
+    kv: torch.Tensor | None
     restored_tokens: int
 
     @property

@@ -26,7 +26,7 @@ from agentstate.errors import (
     SpecMismatchError,
 )
 from agentstate.index import ChunkIndex
-from agentstate.io import IOEngine, batches
+from agentstate.io import Batch, IOEngine, batches
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, chunk_keys, namespace_for, tail_key, token_array, validate_id
 from agentstate.manifest import MatchResult, ResumeResult, SessionManifest, now
 from agentstate.memory import empty_host
@@ -267,7 +267,8 @@ class StateStore:
 
             return go
 
-        handle.start(self.io.submit([op([slow[i] for i in run]) for run in runs]))
+        # One task per run, ungated: their reads go through the IO engine, which bounds them.
+        handle.start(Batch([asyncio.ensure_future(op([slow[i] for i in run])()) for run in runs]))
         return handle
 
     def _in_memory(self, key: str) -> bool:

@@ -1,0 +1,146 @@
+"""Overlapping reads, deadlines and prefetch policies, and loads into paged pools."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import torch
+
+from agentstate import StateStore, codec
+from agentstate.backends.base import Backend, BackendStats, ReadSink
+from agentstate.config import TierConfig
+from agentstate.target import PagedTarget
+from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
+
+
+class SlowBackend(Backend):
+    """Wraps a real backend; every read call sleeps `delay` and records how many overlap."""
+
+    def __init__(self, inner: Backend, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+        self.name, self.durable, self.trusted = inner.name, inner.durable, inner.trusted
+        self.active = self.peak = self.calls = 0
+
+    async def read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:
+        self.active += 1
+        self.calls += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            await asyncio.sleep(self.delay)
+            return await self.inner.read(keys, sink)
+        finally:
+            self.active -= 1
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return await self.inner.exists(keys)
+
+    async def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        return await self.inner.get_into(keys, buffers)
+
+    async def put(self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]) -> None:
+        await self.inner.put(keys, values)
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        await self.inner.delete(keys)
+
+    async def keys(self, prefix: str | None = None) -> AsyncIterator[str]:
+        async for key in self.inner.keys(prefix):
+            yield key
+
+    async def sizes(self, keys: Sequence[str]) -> list[int]:
+        return await self.inner.sizes(keys)
+
+    async def stats(self) -> BackendStats:
+        return await self.inner.stats()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def slow_record(store: StateStore, delay: float) -> SlowBackend:
+    slow = SlowBackend(store.record.backend, delay)
+    store.record.backend = slow
+    return slow
+
+
+async def test_64_reads_with_16_in_flight_overlap(open_store) -> None:  # type: ignore[no-untyped-def]
+    tokens, kv = random_tokens(64 * 64), random_kv(SPEC4, 64 * 64)
+    async with open_store() as store:
+        await store.put_prefix(tokens, kv)
+    async with open_store(host_capacity_bytes=0, io_depth=16, batch_bytes=1) as store:
+        slow = slow_record(store, delay=0.05)
+        into = torch.zeros_like(kv)
+        assert await store.load(tokens, into) == 64 * 64
+        assert bits_equal(into, kv)
+        assert slow.calls == 64  # one read per chunk ...
+        assert slow.peak == 16  # ... 16 of them in flight at once, never more
+        assert store.io.peak_in_flight == 16
+
+
+async def test_best_effort_returns_a_prefix_and_the_rest_arrives_later(open_store) -> None:  # type: ignore[no-untyped-def]
+    tokens, kv = random_tokens(16 * 64), random_kv(SPEC4, 16 * 64, seed=4)
+    async with open_store() as store:
+        await store.put_prefix(tokens, kv)
+    async with open_store(io_depth=4, batch_bytes=1) as store:  # host tier empty after the reopen
+        slow_record(store, delay=0.2)
+        handle = store.prefetch(tokens)
+        into = torch.zeros_like(kv)
+        n = await store.load(tokens, into, policy="best_effort", timeout=0.3, prefetch=handle)
+        assert n % 64 == 0 and 0 < n < 16 * 64  # the first wave (4 chunks) made the deadline, not all 16
+        assert bits_equal(into[:, :, :n], kv[:, :, :n]) and not into[:, :, n:].view(torch.uint8).any()
+        assert await handle.wait(10)
+        into2 = torch.zeros_like(kv)
+        assert await store.load(tokens, into2, policy="best_effort") == 16 * 64  # all in memory now
+        assert bits_equal(into2, kv)
+        assert (await store.match(tokens)).tiers == ["host"] * 16
+
+
+async def test_timeout_policy_and_wait_complete(open_store) -> None:  # type: ignore[no-untyped-def]
+    tokens, kv = random_tokens(8 * 64), random_kv(SPEC4, 8 * 64, seed=5)
+    async with open_store() as store:
+        await store.put_prefix(tokens, kv)
+    async with open_store(io_depth=8, batch_bytes=1, prefetch_timeout_base_s=5.0) as store:
+        slow_record(store, delay=0.05)
+        into = torch.zeros_like(kv)
+        assert await store.load(tokens, into, policy="timeout") == 8 * 64  # 5 s allowance: all arrive
+        assert bits_equal(into, kv)
+    async with open_store(host_capacity_bytes=0, batch_bytes=1) as store:  # no host tier: staging buffers
+        slow_record(store, delay=0.05)
+        handle = store.prefetch(tokens)
+        into = torch.zeros_like(kv)
+        assert await store.load(tokens, into, policy="wait_complete", prefetch=handle) == 8 * 64
+        assert bits_equal(into, kv) and len(handle.staged) == 8
+
+
+async def test_load_over_four_tiers_into_a_shuffled_paged_pool(open_store) -> None:  # type: ignore[no-untyped-def]
+    n_chunks = 8
+    tokens, kv = random_tokens(n_chunks * 64 + 10), random_kv(SPEC4, n_chunks * 64 + 10, seed=8)
+    layout = [
+        TierConfig(kind="device", capacity_bytes=64 << 20),
+        TierConfig(kind="host", capacity_bytes=64 << 20),
+        TierConfig(kind="lmdb"),
+        TierConfig(kind="lmdb", name="lmdb2", path="cold"),
+    ]
+    async with open_store(tiers=layout, write_policy="write_back") as store:
+        keys = store._keys(tokens)
+        values = [codec.encode(kv[:, :, i * 64 : (i + 1) * 64], store.fingerprint) for i in range(n_chunks)]
+        place = ["device", "host", "lmdb", "lmdb2"] * 2  # each tier alone holds two chunks
+        for key, value, tier in zip(keys, values, place):
+            await store.manager.put(store.manager.tier(tier), [key], [value])
+        assert [store.manager.fastest(k) for k in keys] == place
+        pool = torch.zeros((4, 2, 2000, 2, 64), dtype=torch.bfloat16)
+        slots = torch.randperm(2000)[: len(tokens)]
+        target = PagedTarget(pool, slots, SPEC4)
+        assert await store.load(tokens, target) == n_chunks * 64
+        assert bits_equal(target.gather(n_chunks * 64), kv[:, :, : n_chunks * 64])
+        untouched = torch.ones(2000, dtype=torch.bool)
+        untouched[slots[: n_chunks * 64]] = False
+        assert not pool[:, :, untouched].view(torch.uint8).any()  # nothing written outside the slots
+        assert [store.manager.fastest(k) for k in keys] == ["device"] * n_chunks  # promoted on the way
+        pool.zero_()
+        assert await store.load(tokens, target) == n_chunks * 64  # warm: all from the device tier
+        assert bits_equal(target.gather(n_chunks * 64), kv[:, :, : n_chunks * 64])
+        await store.snapshot("s", tokens, kv)
+        r = await store.resume("s", into=PagedTarget(torch.zeros_like(pool), slots, SPEC4))
+        assert r.complete and r.kv is None  # landed in the pool, not in a fresh tensor

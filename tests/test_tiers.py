@@ -1,0 +1,99 @@
+"""Tier manager: exact capacity accounting, LRU, demotion, write policies, promotion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentstate import StateStore, codec
+from agentstate.config import TierConfig
+from agentstate.errors import InvalidArgumentError
+from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
+
+CHUNK = 64
+CHUNK_BYTES = codec.encoded_size(CHUNK * SPEC4.token_bytes)  # 131,136 bytes
+
+
+def tiers(host_chunks: float, device_chunks: float | None = None) -> list[TierConfig]:
+    out = [TierConfig(kind="device", capacity_bytes=int(device_chunks * CHUNK_BYTES))] if device_chunks else []
+    return out + [TierConfig(kind="host", capacity_bytes=int(host_chunks * CHUNK_BYTES)), TierConfig(kind="lmdb")]
+
+
+async def assert_within_capacity(store: StateStore) -> None:
+    for tier in store.manager.tiers:
+        if tier.capacity is not None:  # cache tiers: accounting matches what the backend holds, within capacity
+            assert (await tier.backend.stats()).bytes_used == tier.used <= tier.capacity, tier.name
+
+
+async def test_filling_every_tier_past_capacity_never_overshoots_or_loses_a_chunk(open_store) -> None:  # type: ignore[no-untyped-def]
+    async with open_store(tiers=tiers(host_chunks=5.5, device_chunks=2.5), write_policy="write_back") as store:
+        prefixes = [(random_tokens(256, seed=s), random_kv(SPEC4, 256, seed=s)) for s in range(6)]
+        for tokens, kv in prefixes:  # 24 chunks into a host tier that holds 5
+            await store.put_prefix(tokens, kv)
+            await assert_within_capacity(store)
+        for tokens, kv in prefixes:  # every load promotes into device and host: more pressure
+            into = torch.zeros_like(kv)
+            assert await store.load(tokens, into) == 256
+            assert bits_equal(into, kv)
+            await assert_within_capacity(store)
+        counts = (await store.stats()).counters
+        assert counts["demotions"] > 0 and counts["evictions"] > 0 and counts["promotions"] > 0
+        held = [store.manager.holders(k) for t, _ in prefixes for k in store._keys(t)]
+        assert all(held)  # every chunk still lives somewhere
+
+
+async def test_write_policies_place_chunks(open_store) -> None:  # type: ignore[no-untyped-def]
+    tokens, kv = random_tokens(128), random_kv(SPEC4, 128)
+    async with open_store(write_policy="write_through") as store:
+        await store.put_prefix(tokens, kv)
+        assert [set(store.index.tiers_of(k)) for k in store._keys(tokens)] == [{"host", "lmdb"}] * 2
+    async with open_store(write_policy="write_back") as store:
+        other = random_tokens(128, seed=9)
+        await store.put_prefix(other, kv)
+        assert [set(store.index.tiers_of(k)) for k in store._keys(other)] == [{"host"}] * 2
+        man = await store.snapshot("s", other + [1], torch.cat([kv, kv[:, :, :1]], dim=2))
+        assert all(store.index.holds(k, "lmdb") for k in man.chunk_keys)  # sessions are durable anyway
+
+
+async def test_selective_write_through_writes_down_hot_chunks(open_store) -> None:  # type: ignore[no-untyped-def]
+    tokens, kv = random_tokens(128), random_kv(SPEC4, 128)
+    async with open_store(write_policy="write_through_selective", write_through_threshold=2) as store:
+        await store.put_prefix(tokens, kv)
+        keys = store._keys(tokens)
+        assert not any(store.index.holds(k, "lmdb") for k in keys)
+        await store.load(tokens, torch.empty_like(kv))
+        assert not any(store.index.holds(k, "lmdb") for k in keys)
+        await store.load(tokens, torch.empty_like(kv))
+        assert all(store.index.holds(k, "lmdb") for k in keys)
+    async with open_store(host_capacity_bytes=0) as store:  # it really is on disk
+        into = torch.zeros_like(kv)
+        assert await store.load(tokens, into) == 128 and bits_equal(into, kv)
+
+
+async def test_exclusive_cache_tiers_hold_no_duplicates(open_store) -> None:  # type: ignore[no-untyped-def]
+    tokens, kv = random_tokens(128), random_kv(SPEC4, 128)
+    async with open_store(tiers=tiers(host_chunks=10, device_chunks=10), exclusive=True) as store:
+        await store.put_prefix(tokens, kv)
+        keys = store._keys(tokens)
+        assert [store.index.tiers_of(k) for k in keys] == [{"host", "lmdb"}] * 2
+        await store.load(tokens, torch.empty_like(kv))
+        assert [store.index.tiers_of(k) for k in keys] == [{"device", "lmdb"}] * 2  # moved up, not copied
+
+
+async def test_lru_keeps_recently_used_chunks(open_store) -> None:  # type: ignore[no-untyped-def]
+    async with open_store(tiers=tiers(host_chunks=4)) as store:
+        a, b, c = (random_tokens(128, seed=s) for s in (1, 2, 3))
+        kv = random_kv(SPEC4, 128)
+        await store.put_prefix(a, kv)
+        await store.put_prefix(b, kv)
+        await store.load(a, torch.empty_like(kv))  # a is now more recent than b
+        await store.put_prefix(c, kv)
+        assert (await store.match(a)).tiers == ["host", "host"]
+        assert (await store.match(b)).tiers == ["lmdb", "lmdb"]
+
+
+async def test_bad_tier_configs_are_rejected(open_store) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidArgumentError):
+        open_store(tiers=[TierConfig(kind="host", capacity_bytes=1), TierConfig(kind="host")])
+    with pytest.raises(InvalidArgumentError):
+        open_store(tiers=[TierConfig(kind="host", capacity_bytes=1 << 20)])  # nothing durable
