@@ -50,3 +50,12 @@ def open_store(tmp_path: Path) -> Callable[..., object]:
 async def store(open_store: Callable[..., object]) -> AsyncIterator[StateStore]:
     async with open_store() as s:  # type: ignore[attr-defined]
         yield s
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
