@@ -9,13 +9,20 @@ from pathlib import Path
 
 import pytest
 from agentstate.backends.base import Backend
+from agentstate.backends.file import FileBackend
 from agentstate.backends.host import HostBackend
 from agentstate.backends.lmdb import LMDBBackend
 
 
-@pytest.fixture(params=["host", "lmdb"])
+@pytest.fixture(params=["host", "lmdb", "file"])
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
-    b: Backend = HostBackend(64 << 20) if request.param == "host" else LMDBBackend(tmp_path / "lmdb", map_size=8 << 20)
+    b: Backend
+    if request.param == "host":
+        b = HostBackend(64 << 20)
+    elif request.param == "lmdb":
+        b = LMDBBackend(tmp_path / "lmdb", map_size=8 << 20)
+    else:
+        b = FileBackend(tmp_path / "files")
     yield b
     await b.close()
 

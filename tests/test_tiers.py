@@ -97,3 +97,35 @@ async def test_bad_tier_configs_are_rejected(open_store) -> None:  # type: ignor
         open_store(tiers=[TierConfig(kind="host", capacity_bytes=1), TierConfig(kind="host")])
     with pytest.raises(InvalidArgumentError):
         open_store(tiers=[TierConfig(kind="host", capacity_bytes=1 << 20)])  # nothing durable
+
+
+async def test_eviction_under_pressure_keeps_every_session_resumable(open_store) -> None:  # type: ignore[no-untyped-def]
+    """Host and file caches far smaller than the working set, write-back: evictions write down first."""
+    layout = [
+        TierConfig(kind="host", capacity_bytes=3 * CHUNK_BYTES),
+        TierConfig(kind="file", capacity_bytes=6 * CHUNK_BYTES),
+        TierConfig(kind="lmdb"),
+    ]
+    system, sys_kv = random_tokens(192, seed=1), random_kv(SPEC4, 192, seed=1)
+    sessions = {}
+    async with open_store(tiers=layout, write_policy="write_back") as store:
+        await store.put_prefix(system, sys_kv)
+        doc, doc_kv = random_tokens(128, seed=2), random_kv(SPEC4, 128, seed=2)
+        await store.put_prefix(doc, doc_kv)  # write-back: a prefix no session shares lives only in host ...
+        assert all(store.index.tiers_of(k) == {"host"} for k in store._keys(doc))
+        for i in range(12):
+            own = random_tokens(100 + 10 * i, seed=100 + i)
+            kv = torch.cat([sys_kv, random_kv(SPEC4, len(own), seed=200 + i)], dim=2)
+            sessions[f"s{i}"] = kv
+            await store.snapshot(f"s{i}", system + own, kv)
+            await assert_within_capacity(store)
+        for sid, kv in sessions.items():
+            r = await store.resume(sid)
+            assert r.complete and bits_equal(r.kv, kv)
+            await assert_within_capacity(store)
+        into = torch.zeros_like(doc_kv)
+        assert await store.load(doc, into) == 128 and bits_equal(into, doc_kv)  # ... and survived its eviction
+        assert (await store.stats()).counters["demotions"] >= 2
+    async with open_store(tiers=layout) as store:  # and after a restart, from whatever tier holds it
+        for sid, kv in sessions.items():
+            assert bits_equal((await store.resume(sid)).kv, kv)

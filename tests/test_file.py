@@ -1,0 +1,242 @@
+"""FileBackend on real files: bytes, atomicity, naming, capacity and concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from agentstate.backends.file import FileBackend
+
+from agentstate.errors import CapacityError
+
+SIZES = [1, 4095, 4096, 4097, (1 << 20) + 3]
+ODD_KEYS = [
+    "c/" + "ab" * 16 + "/" + "cd" * 32,
+    "t/fp/Tenant.A/sess:1@host/7",
+    "../../etc/passwd",
+    "/abs/path",
+    ".",
+    "..",
+    "a%2fb",
+    "UPPER/lower",
+    "ünï/cødé ☃",
+    "t/fp/" + "T" * 128 + "/" + "s.:@" * 32 + "/12",  # too long for one file name: the trailer form
+]
+
+
+def all_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+async def listed(b: FileBackend, prefix: str | None = None) -> list[str]:
+    return sorted([k async for k in b.keys(prefix)])
+
+
+def disk_bytes(root: Path) -> int:
+    """Bytes of every file under root, temp files included; tolerates files unlinked mid-walk."""
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def aligned_view(n: int, offset: int = 0) -> memoryview:
+    """A writable view whose start is `offset` bytes past a page boundary."""
+    return memoryview(mmap.mmap(-1, n + offset + 4096))[offset : offset + n]
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+async def test_round_trip_of_odd_sizes_is_bit_exact(tmp_path: Path, o_direct: bool) -> None:
+    b = FileBackend(tmp_path / "f", o_direct=o_direct)
+    keys = [f"c/{n}" for n in SIZES]
+    vals = [os.urandom(n) for n in SIZES]
+    await b.put(keys, vals)
+    seen: dict[int, bytes] = {}
+    assert await b.read(keys, lambda i, v: seen.__setitem__(i, bytes(v))) == [True] * len(keys)
+    assert [seen[i] for i in range(len(keys))] == vals
+    for offset in (0, 1, 512):  # page-aligned caller memory takes the direct path, the rest a bounce
+        bufs = [aligned_view(n + 100, offset) for n in SIZES]
+        assert await b.get_into(keys, bufs) == SIZES
+        assert [bytes(buf[:n]) for buf, n in zip(bufs, SIZES)] == vals
+        assert all(bytes(buf[n:]) == bytes(100) for buf, n in zip(bufs, SIZES))  # nothing past the value
+    assert (await b.stats()).errors == 0
+    await b.close()
+
+
+async def test_direct_reads_fall_back_when_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import agentstate.backends.file as mod
+
+    real_open = os.open
+
+    def refusing_open(path: str, flags: int, *args: int) -> int:
+        if mod._O_DIRECT and flags & mod._O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    b = FileBackend(tmp_path / "f", o_direct=True)
+    val = os.urandom(10_001)
+    await b.put(["c/a"], [val])
+    monkeypatch.setattr(mod.os, "open", refusing_open)
+    buf = memoryview(bytearray(20_000))
+    assert await b.get_into(["c/a"], [buf]) == [10_001] and bytes(buf[:10_001]) == val
+    assert not b._direct  # refused once, buffered from then on
+    await b.close()
+
+
+async def test_read_buffers_are_never_reused_under_a_sink_that_kept_them(tmp_path: Path) -> None:
+    b = FileBackend(tmp_path / "f", threads=1)
+    vals = [os.urandom(3 << 20) for _ in range(6)]
+    keys = [f"c/{i}" for i in range(6)]
+    await b.put(keys, vals)
+    kept: dict[int, object] = {}
+
+    def sink(i: int, view: memoryview) -> None:  # outlives the call on purpose: views, tensors, copies
+        kept[i] = view[:] if i % 3 == 0 else torch.frombuffer(view, dtype=torch.uint8) if i % 3 == 1 else bytes(view)
+
+    for _ in range(2):
+        assert all(await b.read(keys, sink))
+    assert [bytes(kept[i]) if i % 3 != 1 else kept[i].numpy().tobytes() for i in range(6)] == vals  # type: ignore
+    await b.close()
+
+
+async def test_writes_are_atomic_and_crash_leftovers_are_removed(tmp_path: Path) -> None:
+    root = tmp_path / "f"
+    b = FileBackend(root)
+    await b.put(["c/a", "t/b"], [b"alpha", b"beta"])
+    assert not [p for p in all_files(root) if p.name.startswith(".tmp-")]
+    leaf = next(p.parent for p in all_files(root))
+    (leaf / ".tmp-deadbeef").write_bytes(b"half a chunk")  # a crash between write and rename
+    assert await listed(b) == ["c/a", "t/b"]
+    await b.close()
+    b = FileBackend(root)
+    assert not (leaf / ".tmp-deadbeef").exists()
+    assert (await b.stats()).bytes_used == 9
+    await b.close()
+
+
+async def test_data_survives_close_and_reopen(tmp_path: Path) -> None:
+    b = FileBackend(tmp_path / "f")
+    vals = {k: os.urandom(1000 + i) for i, k in enumerate(ODD_KEYS)}
+    await b.put(list(vals), list(vals.values()))
+    await b.close()
+    b = FileBackend(tmp_path / "f")
+    stats = await b.stats()
+    assert stats.items == len(vals) and stats.bytes_used == sum(p.stat().st_size for p in all_files(tmp_path / "f"))
+    assert await b.exists(list(vals)) == [True] * len(vals)
+    bufs = [memoryview(bytearray(2000)) for _ in vals]
+    assert await b.get_into(list(vals), bufs) == [len(v) for v in vals.values()]
+    assert [bytes(buf[: len(v)]) for buf, v in zip(bufs, vals.values())] == list(vals.values())
+    await b.close()
+
+
+async def test_odd_keys_round_trip_and_stay_inside_the_root(tmp_path: Path) -> None:
+    root = tmp_path / "deep" / "f"
+    b = FileBackend(root)
+    await b.put(ODD_KEYS, [k.encode() for k in ODD_KEYS])
+    assert await listed(b) == sorted(ODD_KEYS)
+    assert await listed(b, "t/fp/") == sorted(k for k in ODD_KEYS if k.startswith("t/fp/"))
+    assert [p for p in tmp_path.rglob("*") if p.is_file() and root not in p.parents] == []
+    assert all(len(p.name) <= 255 and len(p.relative_to(root).parts) == 3 for p in all_files(root))
+    (root / "stray.txt").write_bytes(b"not ours")  # foreign files are never listed
+    assert len(await listed(b)) == len(ODD_KEYS)
+    await b.delete(ODD_KEYS + ["c/never-written"])
+    assert await listed(b) == [] and (await b.stats()).bytes_used == 0
+    await b.close()
+
+
+async def test_capacity_evicts_lru_never_exceeds_and_respects_pins(tmp_path: Path) -> None:
+    evicted: list[str] = []
+    root = tmp_path / "f"
+    b = FileBackend(root, capacity_bytes=10_000, on_evict=evicted.extend)
+    await b.put(["a", "b", "c"], [b"1" * 3000, b"2" * 3000, b"3" * 3000])
+    await b.get_into(["a"], [memoryview(bytearray(3000))])  # a is now the most recent
+    await b.put(["d"], [b"4" * 3000])
+    assert evicted == ["b"]
+    assert await b.exists(["a", "b", "c", "d"]) == [True, False, True, True]
+    assert (await b.stats()).bytes_used == 9000 == sum(p.stat().st_size for p in all_files(root))
+    b.pin(["a", "c", "d"])
+    with pytest.raises(CapacityError):
+        await b.put(["e"], [b"5" * 3000])
+    assert await b.exists(["a", "c", "d", "e"]) == [True, True, True, False] and evicted == ["b"]
+    b.unpin(["c"])
+    await b.put(["e"], [b"5" * 3000])
+    assert evicted == ["b", "c"] and await b.exists(["a", "c", "d", "e"]) == [True, False, True, True]
+    with pytest.raises(CapacityError):
+        await b.put(["huge"], [b"x" * 10_001])
+    await b.close()
+    b = FileBackend(root, capacity_bytes=6000, on_evict=evicted.extend)  # shrunk: trimmed on open
+    assert (await b.stats()).bytes_used <= 6000 and len(evicted) == 3
+    await b.close()
+
+
+async def test_concurrent_capacity_pressure_never_overshoots(tmp_path: Path) -> None:
+    root = tmp_path / "f"
+    b = FileBackend(root, capacity_bytes=50_000, threads=8)
+    peak = 0
+
+    async def writer(i: int) -> None:
+        nonlocal peak
+        await b.put([f"c/{i}"], [os.urandom(4000)])
+        peak = max(peak, (await b.stats()).bytes_used, disk_bytes(root))
+
+    async def sampler() -> None:  # watches the disk while the writes run, not only between them
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, disk_bytes(root))
+            await asyncio.sleep(0)
+
+    stop = asyncio.Event()
+    watch = asyncio.create_task(sampler())
+    await asyncio.gather(*(writer(i) for i in range(100)))
+    stop.set()
+    await watch
+    assert peak <= 50_000 and (await b.stats()).bytes_used == disk_bytes(root)
+    await b.close()
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+async def test_concurrent_puts_and_reads_of_200_keys(tmp_path: Path, o_direct: bool) -> None:
+    b = FileBackend(tmp_path / "f", threads=16, o_direct=o_direct)
+    data = {f"c/{i:04d}": os.urandom(5000 + i) for i in range(200)}
+    await asyncio.gather(*(b.put([k], [v]) for k, v in data.items()), b.put(list(data)[:50], list(data.values())[:50]))
+    bufs = {k: memoryview(bytearray(6000)) for k in data}
+    got = await asyncio.gather(*(b.get_into([k], [bufs[k]]) for k in data))
+    assert got == [[len(v)] for v in data.values()]
+    assert all(bytes(bufs[k][: len(v)]) == v for k, v in data.items())
+    seen: dict[int, bytes] = {}
+    keys = list(data)
+    assert all(await b.read(keys, lambda i, v: seen.__setitem__(i, bytes(v))))
+    assert [seen[i] for i in range(200)] == list(data.values())
+    stats = await b.stats()
+    assert stats.items == 200 and stats.writes == 200 and stats.errors == 0
+    await b.close()
+
+
+def test_aligned_view_helper_is_page_aligned() -> None:
+    view = aligned_view(10)
+    assert ctypes.addressof(ctypes.c_char.from_buffer(view)) % 4096 == 0
+
+
+async def test_cancelled_puts_and_racing_deletes_keep_accounting_equal_to_the_disk(tmp_path: Path) -> None:
+    root = tmp_path / "f"
+    b = FileBackend(root, capacity_bytes=64 << 20)
+    task = asyncio.ensure_future(b.put([f"c/big{i}" for i in range(8)], [os.urandom(2 << 20) for _ in range(8)]))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    ops = [b.put(["c/x"], [b"1" * 5000]), b.delete(["c/x"]), b.put(["c/x"], [b"1" * 5000]), b.delete(["c/x", "c/y"])]
+    await asyncio.gather(*ops)
+    assert await b.exists(["c/x"]) == [False]
+    await b.close()  # waits for the shielded writes of the cancelled put
+    assert (await b.stats()).bytes_used == disk_bytes(root)
+    b = FileBackend(root)
+    assert (await b.stats()).bytes_used == disk_bytes(root)
+    await b.close()
