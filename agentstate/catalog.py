@@ -9,9 +9,10 @@ deletion leaves orphans with no count, which `StateStore.gc` sweeps.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
 from pydantic import ValidationError
@@ -20,6 +21,7 @@ from agentstate.errors import BackendError, ConflictError, CorruptDataError
 from agentstate.manifest import SessionManifest
 
 _NO_VERSION = 0
+T = TypeVar("T")
 
 
 class Catalog:
@@ -34,13 +36,13 @@ class Catalog:
         self._prefixes = self._env.open_db(b"prefixes")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentstate-catalog")
 
-    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _write(self, fn):  # type: ignore[no-untyped-def]
+    async def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run a write transaction body, growing the map when full (one thread: no txn is open then)."""
 
-        def run():  # type: ignore[no-untyped-def]
+        def run() -> T:
             while True:
                 try:
                     with self._env.begin(write=True) as txn:
@@ -57,9 +59,9 @@ class Catalog:
         return f"{tenant}/{session_id}".encode()
 
     @staticmethod
-    def _parse(raw: bytes) -> SessionManifest:
+    def _parse(raw: bytes | memoryview) -> SessionManifest:
         try:
-            return SessionManifest.model_validate_json(raw)
+            return SessionManifest.model_validate_json(bytes(raw))
         except ValidationError as exc:
             raise CorruptDataError(f"stored manifest does not parse: {exc.error_count()} errors") from None
 
@@ -71,7 +73,7 @@ class Catalog:
 
         return await self._run(run)
 
-    async def list(self, tenant: str | None = None) -> list[SessionManifest]:
+    async def manifests(self, tenant: str | None = None) -> list[SessionManifest]:
         def run() -> list[SessionManifest]:
             prefix = b"" if tenant is None else f"{tenant}/".encode()
             with self._env.begin(db=self._sessions) as txn:

@@ -49,6 +49,9 @@ _CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
+Buffer = memoryview | bytes | bytearray | mmap.mmap
+
+
 class ChunkHeader(NamedTuple):
     fingerprint: str
     dtype: torch.dtype
@@ -92,7 +95,7 @@ def encode(kv: torch.Tensor, fingerprint: str, out: bytearray | mmap.mmap | None
     return out
 
 
-def read_header(buf: memoryview | bytes | bytearray) -> ChunkHeader:
+def read_header(buf: Buffer) -> ChunkHeader:
     """Parse and check the header fields that need no expectations (magic, version, length)."""
     view = memoryview(buf)
     if len(view) < HEADER_SIZE:
@@ -116,7 +119,7 @@ def read_header(buf: memoryview | bytes | bytearray) -> ChunkHeader:
 
 
 def decode(
-    buf: memoryview | bytes | bytearray,
+    buf: Buffer,
     *,
     fingerprint: str,
     dtype: torch.dtype,
@@ -145,7 +148,7 @@ def decode(
 
 
 def decode_into(
-    buf: memoryview | bytes | bytearray, dest: torch.Tensor, *, fingerprint: str, verify: bool = True
+    buf: Buffer, dest: torch.Tensor, *, fingerprint: str, verify: bool = True
 ) -> None:
     """Check `buf` against `dest`'s shape and dtype, then copy its payload into `dest` (any strides)."""
     src = decode(buf, fingerprint=fingerprint, dtype=dest.dtype, shape=tuple(dest.shape), verify=verify)

@@ -75,7 +75,7 @@ async def run_demo(
         cold = await asyncio.gather(*(store.resume(sid) for sid in history))
         resume_lmdb_s = time.perf_counter() - t0
     exact = all(
-        r.complete and r.kv.view(torch.uint8).equal(history[r.manifest.session_id][1].view(torch.uint8))
+        r.complete and r.kv is not None and r.kv.view(torch.uint8).equal(history[r.manifest.session_id][1].view(torch.uint8))
         for r in hot + cold
     )
     total = sum(len(t) for t, _ in history.values())

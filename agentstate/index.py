@@ -13,8 +13,6 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from agentstate.keys import ChunkKey
-
 
 @dataclass
 class Residency:
@@ -57,7 +55,7 @@ class ChunkIndex:
         node = self._nodes.get(key)
         return node is not None and tier in node.tiers
 
-    def longest_prefix(self, keys: Sequence[ChunkKey]) -> int:
+    def longest_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys of the chain some tier holds."""
         for i, key in enumerate(keys):
             if key not in self._nodes:

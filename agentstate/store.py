@@ -27,7 +27,16 @@ from agentstate.errors import (
 )
 from agentstate.index import ChunkIndex
 from agentstate.io import Batch, IOEngine, batches
-from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, chunk_keys, namespace_for, tail_key, token_array, validate_id
+from agentstate.keys import (
+    CHUNK_PREFIX,
+    TAIL_PREFIX,
+    ChunkKey,
+    chunk_keys,
+    namespace_for,
+    tail_key,
+    token_array,
+    validate_id,
+)
 from agentstate.manifest import MatchResult, ResumeResult, SessionManifest, now
 from agentstate.memory import empty_host
 from agentstate.prefetch import PrefetchHandle, PrefetchPolicy, deadline_for
@@ -145,7 +154,7 @@ class StateStore:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _keys(self, tokens: Sequence[int]) -> list[str]:
+    def _keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
         return list(
             chunk_keys(tokens, namespace=self.namespace, fingerprint=self.fingerprint, chunk_tokens=self.chunk_tokens)
         )
@@ -173,7 +182,7 @@ class StateStore:
             if not lock.locked() and self._locks.get(session_id) is lock:
                 del self._locks[session_id]
 
-    async def _store_chunks(self, keys: list[str], kv: torch.Tensor, *, durable: bool) -> int:
+    async def _store_chunks(self, keys: Sequence[str], kv: torch.Tensor, *, durable: bool) -> int:
         """Write the chunks not stored yet (dedupe); returns how many were new. Keys must be pinned.
 
         Durable stores (snapshots) dedupe against the record tier only: a chunk held by a cache
@@ -380,7 +389,7 @@ class StateStore:
         target = self._target(kv if kv is not None else into)
         if target.num_tokens < manifest.num_tokens:
             raise KVShapeError(f"into holds {target.num_tokens} tokens, session {session_id!r} has {manifest.num_tokens}")
-        keys: list[str] = list(manifest.chunk_keys) + ([manifest.tail_key] if manifest.tail_key else [])
+        keys: list[str] = [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
         with self._pinned(keys):
             ok = await self._transfer.read(keys, self._spans(len(manifest.chunk_keys), manifest.num_tokens), target)
         target.synchronize()
@@ -402,7 +411,7 @@ class StateStore:
             if await self._catalog.get(self.tenant, new_id) is not None:
                 raise ConflictError(f"session {new_id!r} already exists")
             tkey = None
-            pins = list(src.chunk_keys)
+            pins: list[str] = list(src.chunk_keys)
             if src.tail_key:
                 tail = self.spec.empty_kv(src.tail_tokens)
                 tkey = tail_key(self.fingerprint, self.tenant, new_id, 1)
@@ -432,14 +441,14 @@ class StateStore:
                 await self.manager.delete([manifest.tail_key])
 
     async def sessions(self) -> AsyncIterator[SessionManifest]:
-        for manifest in await self._catalog.list(self.tenant):
+        for manifest in await self._catalog.manifests(self.tenant):
             if not manifest.expired():
                 yield manifest
 
     async def gc(self) -> int:
         """Delete expired sessions, then chunks and tails nothing references (crash leftovers)."""
         removed = 0
-        for manifest in await self._catalog.list(self.tenant):
+        for manifest in await self._catalog.manifests(self.tenant):
             if manifest.expired():
                 with contextlib.suppress(SessionNotFoundError):
                     await self.delete(manifest.session_id)
@@ -450,7 +459,7 @@ class StateStore:
         counts = await self._catalog.refcounts(chunk)
         orphans = [k for k, n in zip(chunk, counts) if n == 0]
         await self._collect(orphans)
-        live_tails = {m.tail_key for m in await self._catalog.list(None)}
+        live_tails = {m.tail_key for m in await self._catalog.manifests(None)}
         tails = [
             k async for k in record.keys(f"{TAIL_PREFIX}{fp}/") if k not in live_tails and not self.index.pinned(k)
         ]

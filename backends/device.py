@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-
 from agentstate.backends.base import Backend, BackendStats, ReadSink
 
 
@@ -35,7 +34,7 @@ class DeviceBackend(Backend):
 
     def _host_view(self, value: torch.Tensor) -> memoryview:
         host = value if value.device.type == "cpu" else value.cpu()
-        return memoryview(host.numpy())
+        return memoryview(host.numpy())  # type: ignore[arg-type]
 
     async def read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:
         values = [self._items.get(k) for k in keys]

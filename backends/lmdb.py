@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
 from agentstate.backends.base import Backend, BackendStats, ReadSink
@@ -25,6 +26,7 @@ from agentstate.backends.base import Backend, BackendStats, ReadSink
 from agentstate.errors import BackendError, CapacityError
 
 _KEYS_PAGE = 1024
+T = TypeVar("T")
 
 
 class _TxnGate:
@@ -96,7 +98,7 @@ class LMDBBackend(Backend):
 
     # -- reads ---------------------------------------------------------------------------------
 
-    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
         if self._closed:
             raise BackendError("LMDB backend is closed")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

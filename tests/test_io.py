@@ -6,9 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import torch
+from agentstate.backends.base import Backend, BackendStats, ReadSink
 
 from agentstate import StateStore, codec
-from agentstate.backends.base import Backend, BackendStats, ReadSink
 from agentstate.config import TierConfig
 from agentstate.target import PagedTarget
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
