@@ -40,7 +40,7 @@ async def test_map_grows_for_many_large_manifests(tmp_path: Path) -> None:
     for i in range(40):
         await cat.commit(manifest(f"s{i}", 1, [f"k{i}"], tokens=20_000), None)
     assert await cat.session_count() == 40
-    assert len(await cat.list("t")) == 40 and await cat.list("other") == []
+    assert len(await cat.manifests("t")) == 40 and await cat.manifests("other") == []
     await cat.close()
 
 
