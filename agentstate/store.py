@@ -146,7 +146,12 @@ class StateStore:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def flush(self) -> None:
+        """Wait until background work (promotions of chunks read from slow tiers) is done."""
+        await self._transfer.flush()
+
     async def close(self) -> None:
+        await self.flush()
         for tier in self.tiers:
             await tier.close()
         await self._catalog.close()

@@ -220,15 +220,17 @@ class TierManager:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    async def hit(self, tier: Tier, keys: Sequence[str], values: dict[str, Value]) -> None:
+    async def hit(self, tier: Tier, keys: Sequence[str], values: dict[str, Value], *, account: bool = True) -> None:
         """Account a read served by `tier`: LRU, hit counts, promotion, selective write-down.
 
-        `values` holds owned copies of chunks read from below the top tier, for promotion.
+        `values` holds owned copies of chunks read from below the top tier, for promotion;
+        `account=False` promotes without counting another hit (a background re-read).
         """
-        for key in keys:
-            if key in tier.lru:
-                tier.lru.move_to_end(key)
-        self.index.touch(keys)
+        if account:
+            for key in keys:
+                if key in tier.lru:
+                    tier.lru.move_to_end(key)
+            self.index.touch(keys)
         if values:
             upper = [t for t in self.tiers[: self._pos[tier.name]]]
             for target in upper:
@@ -239,7 +241,7 @@ class TierManager:
             if self.exclusive and tier is not self.record and upper:
                 moved = [k for k in values if self.index.holds(k, upper[-1].name)]
                 await self._remove(tier, moved)
-        if self.policy == "write_through_selective":
+        if self.policy == "write_through_selective" and account:
             hot = [k for k in keys if self.index.hits(k) >= self.threshold and not self.index.holds(k, self.record.name)]
             if hot:
                 held = [(k, await self.read_bytes(tier, k)) for k in hot]

@@ -48,6 +48,7 @@ class Transfer:
         self.batch_bytes = batch_bytes
         self.promote = promote
         self.counts: Counter[str] = Counter()
+        self._background: set[asyncio.Future[object]] = set()
 
     def _chunk_bytes(self, tokens: int) -> int:
         return codec.encoded_size(tokens * self.spec.token_bytes)
@@ -121,10 +122,11 @@ class Transfer:
         tokens: list[int],
         deliver: Callable[[int, torch.Tensor], None] | None,
         staged: dict[str, Value] | None,
+        account: bool = True,
     ) -> list[bool]:
         status = ["missing"] * len(keys)
         owned: dict[str, Value] = {}
-        keep_copy = staged is not None or (self.promote and tier is not self.manager.tiers[0])
+        keep_copy = staged is not None
         verify = not tier.backend.trusted
         dtype = self.spec.torch_dtype
 
@@ -160,9 +162,22 @@ class Transfer:
             await self.manager.delete(missing + corrupt, [tier])
         if staged is not None:
             staged.update(owned)
-        good = [keys[i] for i, s in enumerate(status) if s == "ok"]
-        await self.manager.hit(tier, good, owned if self.promote else {})
+        good = [i for i, s in enumerate(status) if s == "ok"]
+        await self.manager.hit(tier, [keys[i] for i in good], owned if self.promote else {}, account=account)
+        if self.promote and staged is None and good and tier is not self.manager.tiers[0]:
+            # Promote off the critical path: re-read the (now warm) chunks into owned buffers later.
+            self._spawn(self._read_tier(tier, [keys[i] for i in good], [tokens[i] for i in good], None, {}, False))
         return [s == "ok" for s in status]
+
+    def _spawn(self, work: Awaitable[object]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def flush(self) -> None:
+        """Wait for background work (promotions) started so far."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -181,8 +196,9 @@ class Transfer:
 
             return go
 
-        # two batches in flight: encode the next while the previous one is written
-        gate = asyncio.Semaphore(2)
+        # Several batches in flight: encoding overlaps writing, and concurrent puts to the record
+        # tier meet in one group-committed transaction.
+        gate = asyncio.Semaphore(max(2, self.io.depth))
 
         async def bounded(op: Callable[[], Awaitable[None]]) -> None:
             async with gate:

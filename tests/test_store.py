@@ -74,6 +74,7 @@ async def test_lmdb_reads_are_promoted_to_host(open_store) -> None:  # type: ign
     async with open_store() as store:
         assert (await store.match(tokens)).tiers == ["lmdb"] * 4
         await store.load(tokens, torch.empty_like(kv))
+        await store.flush()
         assert (await store.match(tokens)).tiers == ["host"] * 4
 
 
