@@ -43,6 +43,9 @@ class StoreConfig(BaseSettings):
     )
     chunk_tokens: int = Field(default=256, gt=0, le=1 << 16, description="tokens per chunk")
     host_capacity_bytes: int = Field(default=4 * GiB, ge=0, description="0 disables the host tier")
+    restore_pool_bytes: int = Field(
+        default=2 * GiB, ge=0, description="freed restore buffers kept, touched, for the next resume"
+    )
     promote_on_read: bool = Field(default=True, description="copy chunks read from LMDB into the host tier")
     lmdb_map_size: int = Field(default=GiB, gt=0, description="initial LMDB map; it grows when full")
     lmdb_max_map_size: int | None = Field(default=None, gt=0, description="hard limit of the LMDB map")

@@ -7,8 +7,13 @@ mmaps advised MADV_HUGEPAGE (a no-op where THP is off). Small ones stay plain by
 
 from __future__ import annotations
 
+import contextlib
+import math
 import mmap
+import threading
+import weakref
 
+import numpy as np
 import torch
 
 HUGE_PAGE = 2 << 20
@@ -43,3 +48,57 @@ def copy_bytes(view: memoryview) -> bytearray | mmap.mmap:
     if len(view):
         torch.frombuffer(out, dtype=torch.uint8).copy_(torch.frombuffer(view, dtype=torch.uint8))
     return out
+
+
+class BufferPool:
+    """Recycles the huge-page buffers of restored tensors once nothing references them.
+
+    A fresh buffer costs its first-touch page faults, which on a VM that hands freed pages back
+    to the hypervisor is most of a restore's time. A tensor from `tensor()` sits on a numpy array
+    over a pooled mmap; when the last view of that storage dies, a finalizer puts the mmap back
+    (up to `max_bytes` kept), already touched. Buffers come back uninitialised: callers overwrite
+    or zero what they hand out.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._free: dict[int, list[mmap.mmap | bytearray]] = {}
+        self._held = 0
+        self._lock = threading.Lock()
+        self.reused = 0
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        if nbytes < HUGE_PAGE or self.max_bytes <= 0:
+            return empty_host(shape, dtype)
+        size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+        with self._lock:
+            free = self._free.get(size)
+            buf = free.pop() if free else None
+            if buf is not None:
+                self._held -= size
+                self.reused += 1
+        if buf is None:
+            buf = host_buffer(size)
+        array = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
+        weakref.finalize(array, self._give_back, buf, size)
+        return torch.from_numpy(array).view(dtype).view(shape)
+
+    def _give_back(self, buf: mmap.mmap | bytearray, size: int) -> None:
+        with self._lock:
+            if self._held + size <= self.max_bytes:
+                self._free.setdefault(size, []).append(buf)
+                self._held += size
+        # Otherwise drop it: the array being finalised still exports the buffer, so it cannot be
+        # closed here; it is unmapped when that export goes.
+
+    def clear(self) -> None:
+        with self._lock:
+            for bufs in self._free.values():
+                for buf in bufs:
+                    if isinstance(buf, mmap.mmap):
+                        with contextlib.suppress(BufferError):
+                            buf.close()
+            self._free.clear()
+            self._held = 0

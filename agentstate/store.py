@@ -38,7 +38,7 @@ from agentstate.keys import (
     validate_id,
 )
 from agentstate.manifest import MatchResult, ResumeResult, SessionManifest, now
-from agentstate.memory import empty_host
+from agentstate.memory import BufferPool
 from agentstate.prefetch import PrefetchHandle, PrefetchPolicy, deadline_for
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget, TensorTarget
@@ -85,6 +85,7 @@ class StateStore:
         )  # fmt: skip
         self.record = self.manager.record
         self.io = IOEngine(config.io_depth)
+        self._buffers = BufferPool(config.restore_pool_bytes)
         self._transfer = Transfer(
             spec=spec, manager=self.manager, io=self.io, pool=self._pool,
             batch_bytes=config.batch_bytes, promote=config.promote_on_read,
@@ -156,6 +157,7 @@ class StateStore:
             await tier.close()
         await self._catalog.close()
         self._pool.shutdown(wait=True)
+        self._buffers.clear()
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -390,7 +392,7 @@ class StateStore:
         manifest = await self._manifest(session_id)
         kv = None
         if into is None:
-            kv = empty_host(self.spec.kv_shape(manifest.num_tokens), self.spec.torch_dtype)
+            kv = self._buffers.tensor(self.spec.kv_shape(manifest.num_tokens), self.spec.torch_dtype)
         target = self._target(kv if kv is not None else into)
         if target.num_tokens < manifest.num_tokens:
             raise KVShapeError(f"into holds {target.num_tokens} tokens, session {session_id!r} has {manifest.num_tokens}")
@@ -402,6 +404,8 @@ class StateStore:
         restored = manifest.num_tokens if lead == len(keys) else lead * self.chunk_tokens
         if restored < manifest.num_tokens:
             log.warning("session %s resumed %d of %d tokens: stored data missing or corrupt", session_id, restored, manifest.num_tokens)
+        if kv is not None and restored < manifest.num_tokens:
+            kv[:, :, restored:].zero_()  # a pooled buffer holds old bytes: expose none of them
         if kv is None and isinstance(target, TensorTarget):
             kv = target.tensor
         return ResumeResult(
