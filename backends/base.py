@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pydantic import BaseModel
 
 ReadSink = Callable[[int, memoryview], None]
-"""Called as `sink(i, view)` with the stored bytes of `keys[i]`; the view is valid only during the call."""
+"""Called as `sink(i, view)` with the stored bytes of `keys[i]`. The view is valid only during the
+call: the backend may reuse or unmap the memory right after, so a sink copies what it keeps."""
 
 
 class BackendStats(BaseModel):

@@ -5,9 +5,12 @@
     python benchmarks/peer_hicache.py --quick            # 64 MiB per case (smoke check)
     python benchmarks/peer_hicache.py --root /tmp/x --sizes-mib 8 --concurrency 1 4 --total-mib 512
 
-Needs sglang importable (`pip install --no-deps sglang` plus a few pure-Python imports; see
-docs or the report that added this file). Nothing is pip-installed here; if sglang is missing
-the script says so and exits 2.
+Needs sglang importable without letting pip touch torch (checked with sglang 0.5.23):
+
+    pip install --no-deps sglang psutil pybase64 triton pillow starlette anyio msgspec pyzmq tqdm \
+        aiohttp multidict yarl propcache aiohappyeyeballs aiosignal frozenlist
+
+Nothing is pip-installed here; if sglang is missing the script says so and exits 2.
 
 What `HiCacheFile` does (sglang 0.5.23, `sglang/srt/mem_cache/hicache_storage.py`):
 

@@ -119,13 +119,13 @@ async def test_load_over_four_tiers_into_a_shuffled_paged_pool(open_store) -> No
     layout = [
         TierConfig(kind="device", capacity_bytes=64 << 20),
         TierConfig(kind="host", capacity_bytes=64 << 20),
+        TierConfig(kind="file", capacity_bytes=64 << 20),
         TierConfig(kind="lmdb"),
-        TierConfig(kind="lmdb", name="lmdb2", path="cold"),
     ]
     async with open_store(tiers=layout, write_policy="write_back") as store:
         keys = store._keys(tokens)
         values = [codec.encode(kv[:, :, i * 64 : (i + 1) * 64], store.fingerprint) for i in range(n_chunks)]
-        place = ["device", "host", "lmdb", "lmdb2"] * 2  # each tier alone holds two chunks
+        place = ["device", "host", "file", "lmdb"] * 2  # each tier alone holds two chunks
         for key, value, tier in zip(keys, values, place):
             await store.manager.put(store.manager.tier(tier), [key], [value])
         assert [store.manager.fastest(k) for k in keys] == place
