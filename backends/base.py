@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from pydantic import BaseModel
@@ -25,6 +26,21 @@ class BackendStats(BaseModel):
     evictions: int = 0
 
 
+class Pinnable:
+    """Pin counts for a tier that evicts by itself: a pinned key is never an eviction victim."""
+
+    _pins: Counter[str]
+
+    def pin(self, keys: Sequence[str]) -> None:
+        self._pins.update(keys)
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        self._pins.subtract(keys)
+        for key in keys:
+            if self._pins[key] <= 0:
+                del self._pins[key]
+
+
 class Backend(ABC):
     """One storage tier. Async; blocking work runs off the event loop inside the backend.
 
@@ -41,9 +57,20 @@ class Backend(ABC):
     @abstractmethod
     async def exists(self, keys: Sequence[str]) -> list[bool]: ...
 
-    @abstractmethod
     async def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
-        """Copy each value into the caller's buffer; bytes written, 0 for a miss or a value that does not fit."""
+        """Copy each value into the caller's buffer; bytes written, 0 for a miss or a value that does not fit.
+
+        The default copies out of `read`; backends that can read straight into the buffer override it.
+        """
+        written = [0] * len(keys)
+
+        def copy(i: int, view: memoryview) -> None:
+            if len(view) <= len(buffers[i]):
+                buffers[i][: len(view)] = view
+                written[i] = len(view)
+
+        await self.read(keys, copy)
+        return written
 
     @abstractmethod
     async def put(self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]) -> None:

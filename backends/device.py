@@ -49,17 +49,6 @@ class DeviceBackend(Backend):
         self._counts.update(reads=hits, misses=len(values) - hits)
         return [v is not None for v in values]
 
-    async def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
-        written = [0] * len(keys)
-
-        def copy(i: int, view: memoryview) -> None:
-            if len(view) <= len(buffers[i]):
-                buffers[i][: len(view)] = view
-                written[i] = len(view)
-
-        await self.read(keys, copy)
-        return written
-
     async def put(self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]) -> None:
         def run() -> list[torch.Tensor]:
             out = []

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import unquote
 
-from agentstate.backends.base import Backend, BackendStats, ReadSink
+from agentstate.backends.base import Backend, BackendStats, Pinnable, ReadSink
 
 from agentstate.errors import BackendError, CapacityError, InvalidArgumentError
 from agentstate.memory import host_buffer
@@ -125,7 +125,7 @@ def _byte_view(value: bytes | bytearray | memoryview) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-class FileBackend(Backend):
+class FileBackend(Pinnable, Backend):
     """Durable file-per-key tier: optional O_DIRECT reads, byte capacity with LRU eviction, pins.
 
     `threads` bounds the files in flight (each read or write is one blocking call on the pool, which
@@ -452,15 +452,6 @@ class FileBackend(Backend):
                 self._busy.pop(key, None)
             done.set_result(None)
         self._counts["deletes"] += len(gone)
-
-    def pin(self, keys: Sequence[str]) -> None:
-        self._pins.update(keys)
-
-    def unpin(self, keys: Sequence[str]) -> None:
-        self._pins.subtract(keys)
-        for key in keys:
-            if self._pins[key] <= 0:
-                del self._pins[key]
 
     async def keys(self, prefix: str | None = None) -> AsyncIterator[str]:
         """Walk the disk, one top-level shard per executor call, so a large tree never blocks the loop."""

@@ -8,14 +8,14 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from agentstate.backends.base import Backend, BackendStats, ReadSink
+from agentstate.backends.base import Backend, BackendStats, Pinnable, ReadSink
 
 from agentstate.errors import CapacityError, InvalidArgumentError
 
 EvictCallback = Callable[[list[str]], None]
 
 
-class HostBackend(Backend):
+class HostBackend(Pinnable, Backend):
     """An LRU byte cache of encoded chunks.
 
     `put` keeps the caller's `bytes`/`bytearray`/`mmap` object itself (values are immutable by contract),
@@ -38,15 +38,6 @@ class HostBackend(Backend):
         self._used = 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agentstate-host")
         self._counts: Counter[str] = Counter()
-
-    def pin(self, keys: Sequence[str]) -> None:
-        self._pins.update(keys)
-
-    def unpin(self, keys: Sequence[str]) -> None:
-        self._pins.subtract(keys)
-        for key in keys:
-            if self._pins[key] <= 0:
-                del self._pins[key]
 
     def __contains__(self, key: str) -> bool:
         return key in self._items

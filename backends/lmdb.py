@@ -118,17 +118,6 @@ class LMDBBackend(Backend):
     async def read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:
         return await self._run(self._read_sync, keys, sink)
 
-    async def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
-        written = [0] * len(keys)
-
-        def copy(i: int, view: memoryview) -> None:
-            if len(view) <= len(buffers[i]):
-                buffers[i][: len(view)] = view
-                written[i] = len(view)
-
-        await self.read(keys, copy)
-        return written
-
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         def run() -> list[bool]:
             with self._gate, self._env.begin(buffers=True) as txn:
