@@ -1,12 +1,13 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from agentstate import ModelSpec, StateStore
+from tests.redis_server import RedisServer
 
 SPEC4 = ModelSpec(model_id="test/tiny", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
 SPEC32 = ModelSpec(model_id="test/llama-8b-shape", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
@@ -27,6 +28,13 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def random_tokens(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed + 1_000_003)
     return torch.randint(0, 150_000, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -12,12 +12,17 @@ from agentstate.backends.base import Backend
 from agentstate.backends.file import FileBackend
 from agentstate.backends.host import HostBackend
 from agentstate.backends.lmdb import LMDBBackend
+from agentstate.backends.redis import RedisBackend
 
 
-@pytest.fixture(params=["host", "lmdb", "file"])
+@pytest.fixture(params=["host", "lmdb", "file", "redis"])
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
     b: Backend
-    if request.param == "host":
+    if request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        b = RedisBackend(server.url, prefix=f"test-{request.node.name}:")
+        await b.delete([k async for k in b.keys()])
+    elif request.param == "host":
         b = HostBackend(64 << 20)
     elif request.param == "lmdb":
         b = LMDBBackend(tmp_path / "lmdb", map_size=8 << 20)

@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 from agentstate.backends.file import FileBackend
 
 from agentstate.errors import CapacityError

@@ -1,0 +1,63 @@
+"""Redis tier against a real redis-server on loopback: outages become misses, the breaker trips and heals."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+from agentstate.backends.redis import CircuitBreaker, RedisBackend
+
+from agentstate.errors import AgentStateError, BackendError
+from tests.redis_server import RedisServer
+
+
+async def test_outage_turns_into_misses_and_the_breaker_opens_then_closes(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path).start()
+    b = RedisBackend(server.url, timeout_s=0.5, breaker_threshold=2, breaker_cooldown_s=0.3)
+    value = os.urandom(100_000)
+    await b.put(["c/a"], [value])
+    try:
+        server.stop()
+        got: list[bytes] = []
+        assert await b.read(["c/a"], lambda i, v: got.append(bytes(v))) == [False]  # a miss, not an exception
+        assert await b.exists(["c/a"]) == [False]
+        assert b.breaker.open and b.breaker.trips == 1
+        with pytest.raises(BackendError) as err:
+            await b.put(["c/b"], [b"x"])
+        assert isinstance(err.value, AgentStateError) and err.value.retryable
+        server.start()  # same port, empty (no persistence): the tier comes back, as a cache would
+        await asyncio.sleep(0.35)
+        assert await b.exists(["c/a"]) == [False] and not b.breaker.open
+        await b.put(["c/a"], [value])
+        assert await b.read(["c/a"], lambda i, v: got.append(bytes(v))) == [True] and got == [value]
+        assert (await b.stats()).errors >= 3
+    finally:
+        await b.close()
+        server.stop()
+
+
+def test_breaker_needs_consecutive_failures_and_reopens_after_a_failed_probe() -> None:
+    now = [0.0]
+    br = CircuitBreaker(threshold=3, cooldown_s=10, clock=lambda: now[0])
+    br.failure(), br.failure(), br.success(), br.failure(), br.failure()
+    assert not br.open
+    br.failure()
+    assert br.open
+    now[0] = 11
+    assert not br.open  # one probe may go
+    br.failure()
+    assert br.open and br.trips == 2
+
+
+async def test_ttl_and_prefix_isolation(redis_server: RedisServer) -> None:
+    a = RedisBackend(redis_server.url, prefix="tenant-a:", ttl_seconds=1)
+    b = RedisBackend(redis_server.url, prefix="tenant-b:")
+    await a.put(["c/x"], [b"alpha"])
+    assert await b.exists(["c/x"]) == [False] and [k async for k in b.keys()] == []
+    assert [k async for k in a.keys("c/")] == ["c/x"]
+    await asyncio.sleep(1.2)
+    assert await a.exists(["c/x"]) == [False]  # expired
+    await a.close()
+    await b.close()
