@@ -19,12 +19,15 @@ class TierConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["device", "host", "lmdb", "file"]
+    kind: Literal["device", "host", "lmdb", "file", "redis"]
     name: str | None = Field(default=None, description="unique tier name; defaults to the kind")
     capacity_bytes: int | None = Field(default=None, ge=0, description="cache tiers: evict beyond this")
     path: Path | None = Field(default=None, description="lmdb/file: directory, relative to the store path")
     device: str = Field(default="cpu", description="device tier: torch device")
     o_direct: bool = Field(default=False, description="file tier: O_DIRECT reads")
+    url: str = Field(default="redis://127.0.0.1:6379/0", description="redis tier: server or cluster URL")
+    cluster: bool = Field(default=False, description="redis tier: use the Redis Cluster client")
+    ttl_seconds: int | None = Field(default=None, gt=0, description="redis tier: expire chunks after this")
 
     @property
     def tier_name(self) -> str:

@@ -111,6 +111,10 @@ class StateStore:
                 root / (cfg.path or name), map_size=self.config.lmdb_map_size,
                 max_map_size=self.config.lmdb_max_map_size, threads=self.config.io_threads,
             )  # fmt: skip
+        elif cfg.kind == "redis":
+            from agentstate.backends.redis import RedisBackend
+
+            backend = RedisBackend(cfg.url, cluster=cfg.cluster, ttl_seconds=cfg.ttl_seconds)
         else:
             from agentstate.backends.file import FileBackend
 
@@ -136,7 +140,7 @@ class StateStore:
         fp = self.fingerprint
         found: dict[str, list[str]] = {}
         for tier in self.manager.tiers:
-            if tier.backend.durable:
+            if tier.backend.durable and not tier.backend.remote:
                 found[tier.name] = [k for p in (CHUNK_PREFIX, TAIL_PREFIX) async for k in tier.backend.keys(f"{p}{fp}/")]
         await self.manager.adopt_existing(found)
         return self
@@ -265,9 +269,17 @@ class StateStore:
     async def match(self, tokens: Sequence[int] | torch.Tensor) -> MatchResult:
         """How many leading tokens are cached (whole chunks), and which tier serves each chunk."""
         keys = self._keys(token_array(tokens))
-        n = self.index.longest_prefix(keys)
+        n = await self._longest_prefix(keys)
         tiers = [self.manager.fastest(k) or "" for k in keys[:n]]
         return MatchResult(tokens=n * self.chunk_tokens, chunks=n, tiers=tiers)
+
+    async def _longest_prefix(self, keys: Sequence[str]) -> int:
+        """Index first; the keys past what it knows are asked of remote tiers in one batch."""
+        n = self.index.longest_prefix(keys)
+        if n < len(keys):
+            await self.manager.discover(keys[n:])
+            n = self.index.longest_prefix(keys)
+        return n
 
     def prefetch(self, tokens: Sequence[int] | torch.Tensor) -> PrefetchHandle:
         """Start bringing the matched prefix of `tokens` into host memory; `load` completes it."""
@@ -308,7 +320,7 @@ class StateStore:
         target = self._target(into)
         packed = token_array(tokens)
         keys = self._keys(packed)
-        n = min(self.index.longest_prefix(keys), target.num_tokens // self.chunk_tokens)
+        n = min(await self._longest_prefix(keys), target.num_tokens // self.chunk_tokens)
         policy = policy or self.config.prefetch_policy
         deadline = deadline_for(
             policy, n * self.chunk_tokens, timeout=timeout, base=self.config.prefetch_timeout_base_s,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from agentstate.backends.base import Backend
-from agentstate.errors import CapacityError, InvalidArgumentError
+from agentstate.errors import AgentStateError, CapacityError, InvalidArgumentError
 from agentstate.index import ChunkIndex
 from agentstate.memory import copy_bytes
 
@@ -106,17 +106,39 @@ class TierManager:
     def store_targets(self, durable: bool) -> list[Tier]:
         """Tiers a newly stored chunk is written to under the write policy."""
         upper = [t for t in self.tiers if not t.is_device]
-        first = upper[0]
         if self.policy == "write_through":
-            targets = upper[: upper.index(self.record) + 1] if self.record in upper else upper
+            targets = [t for t in upper if t is not self.record and not t.backend.remote][: upper.index(self.record)]
+            targets.append(self.record)
         else:
-            targets = [first]
+            targets = [upper[0]]
         if durable and self.record not in targets:
             targets.append(self.record)
+        # Remote tiers are how other hosts find a chunk: they get every stored chunk.
+        targets += [t for t in self.tiers if t.backend.remote and t not in targets]
         return targets
 
     async def store(self, keys: Sequence[str], values: Sequence[Value], *, durable: bool) -> None:
-        await asyncio.gather(*(self.put(t, keys, values) for t in self.store_targets(durable)))
+        """Put to the policy's tiers. Only the record tier's failure fails the store: a cache or a
+        remote tier that errors is counted and skipped (the chunk is simply not there later)."""
+        targets = self.store_targets(durable)
+        results = await asyncio.gather(*(self.put(t, keys, values) for t in targets), return_exceptions=True)
+        for tier, result in zip(targets, results):
+            if isinstance(result, BaseException):
+                if tier is self.record or not isinstance(result, AgentStateError):
+                    raise result
+                self.counts[f"{tier.name}_put_errors"] += 1
+                log.warning("tier %s: put of %d chunks failed (%s); continuing without it", tier.name, len(keys), result)
+
+    async def discover(self, keys: Sequence[str]) -> None:
+        """Ask remote tiers, in one batched call each, about keys the index does not know."""
+        unknown = [k for k in keys if not self.index.tiers_of(k)]
+        for tier in self.tiers:
+            if unknown and tier.backend.remote:
+                found = [k for k, hit in zip(unknown, await tier.backend.exists(unknown)) if hit]
+                for key in found:
+                    tier.lru[key] = 0
+                self.index.add(found, tier.name)
+                unknown = [k for k in unknown if k not in set(found)]
 
     async def put(self, tier: Tier, keys: Sequence[str], values: Sequence[Value]) -> None:
         """Put into one tier, evicting (and demoting) to make room; returns once all are stored.

@@ -53,6 +53,8 @@ class Backend(ABC):
     """True when a completed `put` survives a process crash (the tier sessions commit to)."""
     trusted: bool = False
     """True when stored bytes never left this process's memory, so reads may skip the checksum."""
+    remote: bool = False
+    """True for a store shared with other hosts: never scanned on open; asked with batched `exists`."""
 
     @abstractmethod
     async def exists(self, keys: Sequence[str]) -> list[bool]: ...

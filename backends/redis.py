@@ -51,6 +51,7 @@ class RedisBackend(Backend):
     name = "redis"
     durable = True
     trusted = False
+    remote = True
 
     def __init__(
         self,
@@ -146,9 +147,16 @@ class RedisBackend(Backend):
 
     async def keys(self, prefix: str | None = None) -> AsyncIterator[str]:
         pattern = self._k(prefix or "").replace("*", r"\*").replace("?", r"\?").replace("[", r"\[") + "*"
-        async for raw in self._client.scan_iter(match=pattern, count=1000):
-            key = raw.decode() if isinstance(raw, bytes) else raw
-            yield key[len(self.prefix) :]
+        if self.breaker.open:
+            raise BackendError("redis tier unavailable (circuit open)")
+        try:
+            async for raw in self._client.scan_iter(match=pattern, count=1000):
+                key = raw.decode() if isinstance(raw, bytes) else raw
+                yield key[len(self.prefix) :]
+        except self._errors as exc:
+            self.breaker.failure()
+            self._counts["errors"] += 1
+            raise BackendError(f"redis scan failed: {type(exc).__name__}: {exc}") from exc
 
     async def sizes(self, keys: Sequence[str]) -> list[int]:
         if not keys:
@@ -160,7 +168,10 @@ class RedisBackend(Backend):
 
     async def stats(self) -> BackendStats:
         """Counts and value bytes under this backend's prefix (a SCAN: for admin, not hot paths)."""
-        keys = [k async for k in self.keys()]
+        try:
+            keys = [k async for k in self.keys()]
+        except BackendError:
+            keys = []  # unreachable: report the counters we have
         return BackendStats(
             name=self.name, items=len(keys), bytes_used=sum(await self.sizes(keys)), capacity_bytes=None,
             **{k: self._counts[k] for k in ("reads", "writes", "deletes", "misses", "errors")},

@@ -61,3 +61,46 @@ async def test_ttl_and_prefix_isolation(redis_server: RedisServer) -> None:
     assert await a.exists(["c/x"]) == [False]  # expired
     await a.close()
     await b.close()
+
+
+async def test_two_hosts_share_prefixes_through_the_redis_tier(tmp_path: Path, redis_server: RedisServer) -> None:
+    """Each store has its own host tier and LMDB; a prefix one stores, the other matches and loads."""
+    import torch
+
+    from agentstate import StateStore
+    from agentstate.config import TierConfig
+    from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
+
+    tiers = [TierConfig(kind="host", capacity_bytes=64 << 20), TierConfig(kind="lmdb"),
+             TierConfig(kind="redis", url=redis_server.url)]  # fmt: skip
+    tokens, kv = random_tokens(300, seed=77), random_kv(SPEC4, 300, seed=77)
+    async with StateStore.open(tmp_path / "host-a", SPEC4, tiers=tiers, chunk_tokens=64) as a:
+        assert await a.put_prefix(tokens, kv) == 256
+    async with StateStore.open(tmp_path / "host-b", SPEC4, tiers=tiers, chunk_tokens=64) as b:
+        m = await b.match(tokens)
+        assert (m.tokens, m.tiers) == (256, ["redis"] * 4)
+        into = torch.zeros_like(kv)
+        assert await b.load(tokens, into) == 256 and bits_equal(into[:, :, :256], kv[:, :, :256])
+        await b.flush()
+        assert (await b.match(tokens)).tiers == ["host"] * 4  # promoted on the way
+
+
+async def test_a_dead_remote_tier_never_fails_a_store_or_a_restore(tmp_path: Path) -> None:
+    import torch
+
+    from agentstate import StateStore
+    from agentstate.config import TierConfig
+    from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
+
+    server = RedisServer(tmp_path).start()
+    tiers = [TierConfig(kind="host", capacity_bytes=64 << 20), TierConfig(kind="lmdb"),
+             TierConfig(kind="redis", url=server.url)]  # fmt: skip
+    tokens, kv = random_tokens(200, seed=5), random_kv(SPEC4, 200, seed=5)
+    server.stop()
+    async with StateStore.open(tmp_path / "data", SPEC4, tiers=tiers, chunk_tokens=64) as store:
+        await store.snapshot("s", tokens, kv)  # LMDB is the record tier: the remote failure is counted only
+        assert (await store.stats()).counters["redis_put_errors"] >= 1
+        assert bits_equal((await store.resume("s")).kv, kv)
+        other = random_tokens(128, seed=6)
+        assert (await store.match(other)).tokens == 0  # unknown keys ask the dead tier: a clean miss
+        assert await store.load(other, torch.zeros_like(kv)) == 0
