@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from agentstate import ModelSpec, StateStore
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisCluster, RedisServer
 
 SPEC4 = ModelSpec(model_id="test/tiny", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
 SPEC32 = ModelSpec(model_id="test/llama-8b-shape", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
@@ -35,6 +35,13 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture

@@ -11,10 +11,23 @@ from pathlib import Path
 import pytest
 
 
-def free_port() -> int:
+def _free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A free loopback port whose cluster bus port (port + 10000) is free and valid too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + 10000 <= 65535 and _free(port + 10000):
+            return port
 
 
 class RedisServer:
@@ -24,6 +37,7 @@ class RedisServer:
         self.workdir = workdir
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.extra: list[str] = []
 
     @property
     def url(self) -> str:
@@ -32,7 +46,7 @@ class RedisServer:
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
             ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir)],
+             "--dir", str(self.workdir), *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 10
@@ -51,3 +65,39 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(timeout=10)
             self.proc = None
+
+
+class RedisCluster:
+    """Three masters on loopback ports, no replicas, formed with `redis-cli --cluster create`."""
+
+    def __init__(self, workdir: Path) -> None:
+        if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+            pytest.skip("redis-server/redis-cli not installed (.ci/run installs them)")
+        self.nodes = [RedisServer(workdir / f"n{i}") for i in range(3)]
+        for node in self.nodes:
+            node.workdir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.nodes[0].port}/0"
+
+    def start(self) -> RedisCluster:
+        for node in self.nodes:
+            node.extra = ["--cluster-enabled", "yes", "--cluster-config-file", str(node.workdir / "nodes.conf"),
+                          "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no"]  # fmt: skip
+            node.start()
+        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        subprocess.run(["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)  # fmt: skip
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            info = subprocess.run(["redis-cli", "-p", str(self.nodes[0].port), "cluster", "info"],
+                                  capture_output=True, text=True).stdout  # fmt: skip
+            if "cluster_state:ok" in info:
+                return self
+            time.sleep(0.1)
+        raise RuntimeError("redis cluster did not become ready")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

@@ -104,3 +104,33 @@ async def test_a_dead_remote_tier_never_fails_a_store_or_a_restore(tmp_path: Pat
         other = random_tokens(128, seed=6)
         assert (await store.match(other)).tokens == 0  # unknown keys ask the dead tier: a clean miss
         assert await store.load(other, torch.zeros_like(kv)) == 0
+
+
+async def test_killing_a_cluster_node_gives_correct_kv_or_clean_misses(tmp_path: Path) -> None:
+    import torch
+
+    from agentstate import StateStore
+    from agentstate.config import TierConfig
+    from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
+    from tests.redis_server import RedisCluster
+
+    cluster = RedisCluster(tmp_path / "cluster").start()
+    try:
+        tiers = [TierConfig(kind="lmdb"), TierConfig(kind="redis", url=cluster.url, cluster=True)]
+        prefixes = [(random_tokens(256, seed=s), random_kv(SPEC4, 256, seed=s)) for s in range(8)]
+        async with StateStore.open(tmp_path / "writer", SPEC4, tiers=tiers, chunk_tokens=64) as w:
+            for tokens, kv in prefixes:
+                await w.put_prefix(tokens, kv)
+        cluster.nodes[1].stop()  # a third of the slots is gone, no replicas
+        async with StateStore.open(tmp_path / "reader", SPEC4, tiers=tiers, chunk_tokens=64) as r:
+            remote = r.manager.tier("redis").backend
+            loaded = []
+            for tokens, kv in prefixes:
+                into = torch.zeros_like(kv)
+                n = await r.load(tokens, into)  # never raises
+                assert n % 64 == 0 and bits_equal(into[:, :, :n], kv[:, :, :n])
+                assert not into[:, :, n:].view(torch.uint8).any()  # nothing wrong past the prefix
+                loaded.append(n)
+            assert (await remote.stats()).errors >= 1 and remote.breaker.trips >= 1  # type: ignore[attr-defined]
+    finally:
+        cluster.stop()
