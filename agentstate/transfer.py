@@ -196,15 +196,9 @@ class Transfer:
 
             return go
 
-        # Several batches in flight: encoding overlaps writing, and concurrent puts to the record
-        # tier meet in one group-committed transaction.
-        gate = asyncio.Semaphore(max(2, self.io.depth))
-
-        async def bounded(op: Callable[[], Awaitable[None]]) -> None:
-            async with gate:
-                await op()
-
-        await asyncio.gather(*(bounded(writer(run)) for run in batches(sizes, self.batch_bytes)))
+        # Batches share the IO engine's slots: encoding overlaps writing, and concurrent puts to
+        # the record tier meet in one group-committed transaction.
+        await self.io.gather([writer(run) for run in batches(sizes, self.batch_bytes)])
         self.counts["bytes_written"] += sum(sizes)
         return sum(sizes)
 

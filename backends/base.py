@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -39,6 +40,39 @@ class Pinnable:
         for key in keys:
             if self._pins[key] <= 0:
                 del self._pins[key]
+
+
+class InMemory:
+    """The parts of a tier that keeps values in a dict of this process: lookups, deletes, listing.
+
+    Subclasses set `_items`, `_used` and `_counts`, and say what a value weighs in `_size`.
+    """
+
+    _items: dict[str, Any]
+    _used: int
+    _counts: Counter[str]
+
+    @staticmethod
+    def _size(value: Any) -> int:
+        return len(value)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [key in self._items for key in keys]
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            value = self._items.pop(key, None)
+            if value is not None:
+                self._used -= self._size(value)
+                self._counts["deletes"] += 1
+
+    async def keys(self, prefix: str | None = None) -> AsyncIterator[str]:
+        for key in list(self._items):
+            if prefix is None or key.startswith(prefix):
+                yield key
+
+    async def sizes(self, keys: Sequence[str]) -> list[int]:
+        return [self._size(self._items[k]) if k in self._items else 0 for k in keys]
 
 
 class Backend(ABC):

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from agentstate.backends.base import Backend, BackendStats, ReadSink
+from agentstate.backends.base import Backend, BackendStats, InMemory, ReadSink
 
 
-class DeviceBackend(Backend):
+class DeviceBackend(InMemory, Backend):
     name = "device"
     durable = False
     trusted = True
+
+    @staticmethod
+    def _size(value: torch.Tensor) -> int:
+        return value.numel()
 
     def __init__(self, device: str | torch.device = "cpu", *, threads: int = 2) -> None:
         self.device = torch.device(device)
@@ -28,9 +32,6 @@ class DeviceBackend(Backend):
         self._used = 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agentstate-device")
         self._counts: Counter[str] = Counter()
-
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
-        return [k in self._items for k in keys]
 
     def _host_view(self, value: torch.Tensor) -> memoryview:
         host = value if value.device.type == "cpu" else value.cpu()
@@ -63,21 +64,6 @@ class DeviceBackend(Backend):
                 self._items[key] = tensor
                 self._used += tensor.numel()
                 self._counts["writes"] += 1
-
-    async def delete(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            tensor = self._items.pop(key, None)
-            if tensor is not None:
-                self._used -= tensor.numel()
-                self._counts["deletes"] += 1
-
-    async def keys(self, prefix: str | None = None) -> AsyncIterator[str]:
-        for key in list(self._items):
-            if prefix is None or key.startswith(prefix):
-                yield key
-
-    async def sizes(self, keys: Sequence[str]) -> list[int]:
-        return [self._items[k].numel() if k in self._items else 0 for k in keys]
 
     async def stats(self) -> BackendStats:
         return BackendStats(

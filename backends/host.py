@@ -5,17 +5,17 @@ from __future__ import annotations
 import asyncio
 import mmap
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from agentstate.backends.base import Backend, BackendStats, Pinnable, ReadSink
+from agentstate.backends.base import Backend, BackendStats, InMemory, Pinnable, ReadSink
 
 from agentstate.errors import CapacityError, InvalidArgumentError
 
 EvictCallback = Callable[[list[str]], None]
 
 
-class HostBackend(Pinnable, Backend):
+class HostBackend(InMemory, Pinnable, Backend):
     """An LRU byte cache of encoded chunks.
 
     `put` keeps the caller's `bytes`/`bytearray`/`mmap` object itself (values are immutable by contract),
@@ -41,9 +41,6 @@ class HostBackend(Pinnable, Backend):
 
     def __contains__(self, key: str) -> bool:
         return key in self._items
-
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
-        return [key in self._items for key in keys]
 
     def _lookup(self, keys: Sequence[str]) -> list[bytes | bytearray | mmap.mmap | None]:
         found: list[bytes | bytearray | mmap.mmap | None] = []
@@ -108,21 +105,6 @@ class HostBackend(Pinnable, Backend):
             evicted.append(victim)
             self._counts["evictions"] += 1
         return evicted
-
-    async def delete(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            value = self._items.pop(key, None)
-            if value is not None:
-                self._used -= len(value)
-                self._counts["deletes"] += 1
-
-    async def keys(self, prefix: str | None = None) -> AsyncIterator[str]:
-        for key in list(self._items):
-            if prefix is None or key.startswith(prefix):
-                yield key
-
-    async def sizes(self, keys: Sequence[str]) -> list[int]:
-        return [len(self._items[k]) if k in self._items else 0 for k in keys]
 
     async def stats(self) -> BackendStats:
         return BackendStats(
