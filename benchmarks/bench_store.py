@@ -635,23 +635,19 @@ async def bench_size(run: Run, data_dir: Path, tokens_n: int, label: str, reps: 
         done(r)
         assert kv is not None
         whole(kv, r.name)
-        if has_resume_into:
-            kv.zero_()
-            r = result(f"`resume(into=reused)`, {tier}", ref, goal)
+        async def into_reused(label: str, call: Callable[[], Awaitable[Any]]) -> None:
+            kv.zero_()  # type: ignore[union-attr]
+            r = result(f"`{label}(into=reused)`, {tier}", ref, goal)
             r.ref_samples += refs.memcpy()
             for _ in range(reps_n):
-                await timed_async(r, lambda: store.resume(SESSION, into=kv), restored)
+                await timed_async(r, call, restored)
             r.ref_samples += refs.memcpy()
             done(r)
             whole(kv, r.name)
-        kv.zero_()
-        r = result(f"`load(into=reused)`, {tier}", ref, goal)
-        r.ref_samples += refs.memcpy()
-        for _ in range(reps_n):
-            await timed_async(r, lambda: store.load(tokens, into=kv), restored)
-        r.ref_samples += refs.memcpy()
-        done(r)
-        whole(kv, r.name)
+
+        if has_resume_into:
+            await into_reused("resume", lambda: store.resume(SESSION, into=kv))
+        await into_reused("load", lambda: store.load(tokens, into=kv))
 
     # host tier
     m = await store.match(tokens)
