@@ -254,7 +254,7 @@ class TierManager:
                     tier.lru.move_to_end(key)
             self.index.touch(keys)
         if values:
-            upper = [t for t in self.tiers[: self._pos[tier.name]]]
+            upper = self.tiers[: self._pos[tier.name]]
             for target in upper:
                 ks = [k for k in values if not self.index.holds(k, target.name)]
                 if ks:
