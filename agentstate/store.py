@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Sequence
@@ -92,6 +93,18 @@ class StateStore:
         )  # fmt: skip
         self._locks: dict[str, asyncio.Lock] = {}
         self._deleting: dict[str, asyncio.Future[None]] = {}
+        self._owner = True
+
+    def for_tenant(self, tenant: str) -> StateStore:
+        """This store seen as another tenant: same tiers, index and catalog; that tenant's sessions
+        and key namespace. One process serves many tenants this way (the HTTP service does), since a
+        data directory is opened once per process. Closing a view closes nothing.
+        """
+        view = copy.copy(self)
+        view.tenant = validate_id(tenant, "tenant")
+        view.namespace = namespace_for(view.tenant, self.config.shared_namespace)
+        view._owner = False
+        return view
 
     def _build_tier(self, cfg: TierConfig) -> Tier:
         root, name = Path(self.config.path), cfg.tier_name
@@ -156,6 +169,8 @@ class StateStore:
         await self._transfer.flush()
 
     async def close(self) -> None:
+        if not self._owner:
+            return
         await self.flush()
         for tier in self.tiers:
             await tier.close()
@@ -185,13 +200,14 @@ class StateStore:
 
     @contextlib.asynccontextmanager
     async def _session_lock(self, session_id: str) -> AsyncIterator[None]:
-        lock = self._locks.setdefault(session_id, asyncio.Lock())
+        name = f"{self.tenant}/{session_id}"
+        lock = self._locks.setdefault(name, asyncio.Lock())
         try:
             async with lock:
                 yield
         finally:
-            if not lock.locked() and self._locks.get(session_id) is lock:
-                del self._locks[session_id]
+            if not lock.locked() and self._locks.get(name) is lock:
+                del self._locks[name]
 
     async def _store_chunks(self, keys: Sequence[str], kv: torch.Tensor, *, durable: bool) -> int:
         """Write the chunks not stored yet (dedupe); returns how many were new. Keys must be pinned.

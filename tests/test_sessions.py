@@ -115,3 +115,20 @@ async def test_tenants_are_isolated(open_store) -> None:  # type: ignore[no-unty
             await bob.resume("s")
         assert (await bob.match(toks)).tokens == 0  # another tenant's namespace: no match
         assert [m async for m in bob.sessions()] == []
+
+
+async def test_tenant_views_share_tiers_but_never_sessions_or_chunks(store: StateStore) -> None:
+    a, b = store.for_tenant("acme"), store.for_tenant("globex")
+    tokens = random_tokens(200, seed=7)
+    kv = random_kv(SPEC4, 200, seed=7)
+    await a.snapshot("s1", tokens, kv)
+    await a.put_prefix(tokens[:128], kv[:, :, :128])
+    assert (await b.match(tokens)).tokens == 0  # another namespace: a's chunks are not b's
+    with pytest.raises(SessionNotFoundError):
+        await b.resume("s1")
+    with pytest.raises(SessionNotFoundError):
+        await b.delete("s1")
+    assert [m.session_id async for m in b.sessions()] == []
+    await b.close()  # a view closes nothing
+    assert bits_equal((await a.resume("s1")).kv, kv)
+    assert (await a.match(tokens)).tokens == 192
