@@ -11,11 +11,11 @@ _checkout = _Path(__file__).resolve().parent.parent
 if not (_Path(__file__).parent / "backends").is_dir() and (_checkout / "backends" / "__init__.py").is_file():
     __path__.append(str(_checkout))  # type: ignore[name-defined]
 
-from agentstate.config import StoreConfig  # noqa: E402
-from agentstate.errors import AgentStateError  # noqa: E402
-from agentstate.manifest import MatchResult, ResumeResult, SessionManifest  # noqa: E402
-from agentstate.spec import ModelSpec  # noqa: E402
-from agentstate.store import StateStore, StoreStats  # noqa: E402
+from agentstate.config import StoreConfig
+from agentstate.errors import AgentStateError
+from agentstate.manifest import MatchResult, ResumeResult, SessionManifest
+from agentstate.spec import ModelSpec
+from agentstate.store import StateStore, StoreStats
 
 __version__ = "0.1.0"
 __all__ = [

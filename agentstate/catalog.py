@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import lmdb
 from pydantic import ValidationError
@@ -24,7 +24,19 @@ _NO_VERSION = 0
 T = TypeVar("T")
 
 
+class Committed(NamedTuple):
+    zeroed: list[str]
+    """chunk keys that lost their last reference (the caller deletes them)"""
+    old_tail: str | None
+    """the replaced version's tail: owned by that version alone, so the caller deletes it"""
+
+
 class Catalog:
+    """The local catalog of one data directory (LMDB). `agentstate.redis_catalog.RedisCatalog` is
+    the same interface over a store every host shares."""
+
+    shared = False
+
     def __init__(self, path: str | Path, *, map_size: int = 64 << 20) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         try:
@@ -87,24 +99,28 @@ class Catalog:
 
         return await self._run(run)
 
-    async def commit(self, manifest: SessionManifest, expected_version: int | None) -> list[str]:
-        """Write `manifest` if the stored version is `expected_version` (None: must not exist).
+    async def version(self, tenant: str, session_id: str) -> int:
+        manifest = await self.get(tenant, session_id)
+        return manifest.version if manifest else _NO_VERSION
 
-        Returns the chunk keys that no longer have any reference.
-        """
+    async def commit(self, manifest: SessionManifest, expected_version: int | None) -> Committed:
+        """Write `manifest` if the stored version is `expected_version` (None: must not exist)."""
 
         key = self._skey(manifest.tenant, manifest.session_id)
         body = manifest.model_dump_json().encode()
 
-        def run(txn: lmdb.Transaction) -> list[str]:
+        def run(txn: lmdb.Transaction) -> Committed:
             raw = txn.get(key, db=self._sessions)
             old = None if raw is None else self._parse(raw)
             found = _NO_VERSION if old is None else old.version
             if found != (expected_version or _NO_VERSION):
-                raise ConflictError(f"session {manifest.session_id!r} is at version {found}, expected {expected_version}")
+                raise ConflictError(
+                    f"session {manifest.session_id!r} is at version {found}, expected {expected_version}"
+                )
             txn.put(key, body, db=self._sessions)
             self._add_refs(txn, manifest.chunk_keys, +1)
-            return self._add_refs(txn, old.chunk_keys if old else [], -1)
+            zeroed = self._add_refs(txn, old.chunk_keys if old else [], -1)
+            return Committed(zeroed, old.tail_key if old else None)
 
         return await self._write(run)
 

@@ -147,9 +147,7 @@ def decode(
     return torch.frombuffer(payload, dtype=dtype).view(head.shape)
 
 
-def decode_into(
-    buf: Buffer, dest: torch.Tensor, *, fingerprint: str, verify: bool = True
-) -> None:
+def decode_into(buf: Buffer, dest: torch.Tensor, *, fingerprint: str, verify: bool = True) -> None:
     """Check `buf` against `dest`'s shape and dtype, then copy its payload into `dest` (any strides)."""
     src = decode(buf, fingerprint=fingerprint, dtype=dest.dtype, shape=tuple(dest.shape), verify=verify)
     dest.copy_(src)

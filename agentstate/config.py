@@ -58,7 +58,18 @@ class StoreConfig(BaseSettings):
     tiers: list[TierConfig] | None = Field(
         default=None, description="tiers fast to slow; default: host (host_capacity_bytes) over lmdb"
     )
-    record_tier: str | None = Field(default=None, description="durable tier sessions commit to; default lmdb")
+    record_tier: str | None = Field(
+        default=None, description="durable tier sessions commit to; default lmdb, or the remote tier with catalog_url"
+    )
+    catalog_url: str | None = Field(
+        default=None,
+        description="Redis URL of a catalog shared by every host (manifests, prefix records); None: local LMDB",
+    )
+    catalog_cluster: bool = Field(default=False, description="the shared catalog is a Redis Cluster")
+    catalog_prefix: str = Field(default="agentstate:", description="key prefix of the shared catalog")
+    gc_grace_seconds: float = Field(
+        default=600.0, ge=0, description="shared stores: gc keeps an unreferenced chunk used this recently"
+    )
     write_policy: Literal["write_through", "write_back", "write_through_selective"] = "write_through"
     write_through_threshold: int = Field(default=2, ge=1, description="hits before a selective write-down")
     exclusive: bool = Field(default=False, description="a promoted chunk leaves the cache tier it came from")

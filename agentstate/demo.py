@@ -75,7 +75,9 @@ async def run_demo(
         cold = await asyncio.gather(*(store.resume(sid) for sid in history))
         resume_lmdb_s = time.perf_counter() - t0
     exact = all(
-        r.complete and r.kv is not None and r.kv.view(torch.uint8).equal(history[r.manifest.session_id][1].view(torch.uint8))
+        r.complete
+        and r.kv is not None
+        and r.kv.view(torch.uint8).equal(history[r.manifest.session_id][1].view(torch.uint8))
         for r in hot + cold
     )
     total = sum(len(t) for t, _ in history.values())
@@ -91,7 +93,9 @@ def print_result(r: DemoResult, console: Console) -> None:
     table.add_column("value", justify="right")
     table.add_row("tokens in all sessions", f"{r.tokens:,}")
     table.add_row("KV bytes, logical", f"{gb:.2f} GB")
-    table.add_row("KV bytes, stored in LMDB", f"{r.stored_bytes / 1e9:.2f} GB ({r.logical_bytes / r.stored_bytes:.1f}x dedupe)")
+    table.add_row(
+        "KV bytes, stored in LMDB", f"{r.stored_bytes / 1e9:.2f} GB ({r.logical_bytes / r.stored_bytes:.1f}x dedupe)"
+    )
     table.add_row("snapshot (durable, all turns)", f"{r.snapshot_s:.2f} s")
     table.add_row("resume all agents, host tier", f"{r.resume_host_s:.3f} s ({gb / r.resume_host_s:.1f} GB/s)")
     table.add_row("resume all agents after restart, LMDB", f"{r.resume_lmdb_s:.3f} s ({gb / r.resume_lmdb_s:.1f} GB/s)")

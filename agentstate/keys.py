@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 from array import array
 from collections.abc import Iterable, Sequence
 from typing import NewType
@@ -67,9 +68,7 @@ def chain_root(namespace: str, fingerprint: str) -> bytes:
     return h.digest()
 
 
-def chunk_keys(
-    tokens: Sequence[int] | array, *, namespace: str, fingerprint: str, chunk_tokens: int
-) -> list[ChunkKey]:
+def chunk_keys(tokens: Sequence[int] | array, *, namespace: str, fingerprint: str, chunk_tokens: int) -> list[ChunkKey]:
     """Keys of every full chunk of `tokens` (a partial last chunk gets none: it is a tail)."""
     packed = tokens if isinstance(tokens, array) else token_array(tokens)
     raw = memoryview(packed).cast("B")
@@ -82,5 +81,8 @@ def chunk_keys(
     return keys
 
 
-def tail_key(fingerprint: str, tenant: str, session_id: str, version: int) -> TailKey:
-    return TailKey(f"{TAIL_PREFIX}{fingerprint}/{tenant}/{session_id}/{version}")
+def tail_key(fingerprint: str, tenant: str, session_id: str, version: int, writer: str | None = None) -> TailKey:
+    """The key of one written tail. `writer` is unique per write attempt, so two hosts writing the
+    same session version never overwrite each other's tail before one of them loses the commit."""
+    writer = secrets.token_hex(8) if writer is None else writer
+    return TailKey(f"{TAIL_PREFIX}{fingerprint}/{tenant}/{session_id}/{version}.{writer}")

@@ -72,7 +72,9 @@ class PrefetchHandle:
         return len(self.keys)
 
 
-def deadline_for(policy: PrefetchPolicy, tokens: int, *, timeout: float | None, base: float, per_1k: float) -> float | None:
+def deadline_for(
+    policy: PrefetchPolicy, tokens: int, *, timeout: float | None, base: float, per_1k: float
+) -> float | None:
     if policy == "wait_complete":
         return None
     if policy == "best_effort":

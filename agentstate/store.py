@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel
@@ -19,12 +18,8 @@ from agentstate.backends.base import Backend, BackendStats
 from agentstate.catalog import Catalog
 from agentstate.config import StoreConfig, TierConfig
 from agentstate.errors import (
-    ConflictError,
-    CorruptDataError,
     InvalidArgumentError,
     KVShapeError,
-    SessionNotFoundError,
-    SpecMismatchError,
 )
 from agentstate.index import ChunkIndex
 from agentstate.io import Batch, IOEngine, batches
@@ -34,17 +29,20 @@ from agentstate.keys import (
     ChunkKey,
     chunk_keys,
     namespace_for,
-    tail_key,
     token_array,
     validate_id,
 )
-from agentstate.manifest import MatchResult, ResumeResult, SessionManifest, now
+from agentstate.manifest import MatchResult
 from agentstate.memory import BufferPool
 from agentstate.prefetch import PrefetchHandle, PrefetchPolicy, deadline_for
+from agentstate.sessions import SessionOps, _leading
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget, TensorTarget
 from agentstate.tiers import Tier, TierManager
 from agentstate.transfer import Span, Transfer
+
+if TYPE_CHECKING:
+    from agentstate.redis_catalog import RedisCatalog
 
 log = logging.getLogger("agentstate.store")
 
@@ -58,7 +56,7 @@ class StoreStats(BaseModel):
     counters: dict[str, int]
 
 
-class StateStore:
+class StateStore(SessionOps):
     """Per-session and shared-prefix KV state over a host tier and LMDB.
 
     Open with `async with StateStore.open(path_or_config, spec) as store:` (or `await` it and
@@ -74,12 +72,9 @@ class StateStore:
         self.chunk_tokens = config.chunk_tokens
         self.index = ChunkIndex()
         self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="agentstate-cpu")
-        self._catalog = Catalog(Path(config.path) / "catalog")
         tiers = [self._build_tier(t) for t in config.tier_list()]
-        record = config.record_tier or next(
-            (t.name for t in tiers if t.backend.durable and t.name == "lmdb"),
-            next((t.name for t in reversed(tiers) if t.backend.durable), ""),
-        )
+        self._catalog = self._build_catalog(tiers)
+        record = config.record_tier or self._default_record(tiers)
         self.manager = TierManager(
             tiers, self.index, record=record, policy=config.write_policy,
             threshold=config.write_through_threshold, exclusive=config.exclusive,
@@ -105,6 +100,27 @@ class StateStore:
         view.namespace = namespace_for(view.tenant, self.config.shared_namespace)
         view._owner = False
         return view
+
+    def _build_catalog(self, tiers: list[Tier]) -> Catalog | RedisCatalog:
+        if self.config.catalog_url is None:
+            return Catalog(Path(self.config.path) / "catalog")
+        if not any(t.backend.remote for t in tiers):
+            raise InvalidArgumentError("a shared catalog (catalog_url) needs a remote tier to hold the chunks it names")
+        from agentstate.redis_catalog import RedisCatalog
+
+        return RedisCatalog(
+            self.config.catalog_url, cluster=self.config.catalog_cluster, prefix=self.config.catalog_prefix
+        )
+
+    def _default_record(self, tiers: list[Tier]) -> str:
+        """LMDB by default; with a shared catalog, the remote tier, since every host must find the
+        chunks a shared manifest names."""
+        if self._catalog.shared:
+            return next(t.name for t in tiers if t.backend.remote)
+        return next(
+            (t.name for t in tiers if t.backend.durable and t.name == "lmdb"),
+            next((t.name for t in reversed(tiers) if t.backend.durable), ""),
+        )
 
     def _build_tier(self, cfg: TierConfig) -> Tier:
         root, name = Path(self.config.path), cfg.tier_name
@@ -154,7 +170,9 @@ class StateStore:
         found: dict[str, list[str]] = {}
         for tier in self.manager.tiers:
             if tier.backend.durable and not tier.backend.remote:
-                found[tier.name] = [k for p in (CHUNK_PREFIX, TAIL_PREFIX) async for k in tier.backend.keys(f"{p}{fp}/")]
+                found[tier.name] = [
+                    k for p in (CHUNK_PREFIX, TAIL_PREFIX) async for k in tier.backend.keys(f"{p}{fp}/")
+                ]
         await self.manager.adopt_existing(found)
         return self
 
@@ -218,7 +236,9 @@ class StateStore:
         waits = {self._deleting[k] for k in keys if k in self._deleting}
         if waits:
             await asyncio.gather(*waits)
-        if durable:
+        if durable and self.record.backend.remote:
+            missing = await self._missing_remote(keys)
+        elif durable:
             missing = [i for i, k in enumerate(keys) if not self.index.holds(k, self.record.name)]
         else:
             missing = [i for i, k in enumerate(keys) if not self.index.tiers_of(k)]
@@ -226,6 +246,14 @@ class StateStore:
             slices = self._slices(kv, len(keys))
             await self._transfer.write([keys[i] for i in missing], [slices[i] for i in missing], durable=durable)
         return len(missing)
+
+    async def _missing_remote(self, keys: Sequence[str]) -> list[int]:
+        """Which chunks the shared record tier lacks, touching the ones it has (so no host's gc takes
+        them before this commit names them). Asked every time: another host may have collected a
+        chunk this index still lists."""
+        present = await self.record.backend.touch(keys)
+        self.manager.note(self.record, keys, present)
+        return [i for i, hit in enumerate(present) if not hit]
 
     async def _collect(self, zeroed: list[str]) -> None:
         """Delete chunks that lost their last reference, unless something pinned them meanwhile."""
@@ -256,7 +284,9 @@ class StateStore:
         if isinstance(into, KVTarget):
             return into
         if not isinstance(into, torch.Tensor) or into.dim() != 5:
-            raise KVShapeError("into must be a KVTarget or a 5-dim canonical KV tensor [layers, planes, tokens, heads, dim]")
+            raise KVShapeError(
+                "into must be a KVTarget or a 5-dim canonical KV tensor [layers, planes, tokens, heads, dim]"
+            )
         return TensorTarget(into, self.spec)
 
     def _spans(self, count: int, total: int | None = None) -> list[Span]:
@@ -350,159 +380,11 @@ class StateStore:
             await prefetch.wait(deadline)
             n = min(n, prefetch.ready(self._in_memory))
         with self._pinned(keys[:n]):
-            ok = await self._transfer.read(keys[:n], self._spans(n), target, staged=prefetch.staged if prefetch else None)
+            ok = await self._transfer.read(
+                keys[:n], self._spans(n), target, staged=prefetch.staged if prefetch else None
+            )
         target.synchronize()
         return _leading(ok) * self.chunk_tokens
-
-    # -- sessions ------------------------------------------------------------------------------
-
-    async def snapshot(
-        self,
-        session_id: str,
-        tokens: Sequence[int] | torch.Tensor,
-        kv: torch.Tensor,
-        state: dict[str, Any] | None = None,
-        *,
-        ttl_seconds: float | None = None,
-        pinned: bool = False,
-    ) -> SessionManifest:
-        """Durably store a session: chunks and tail reach LMDB first, then the manifest commits.
-
-        A crash leaves the previous version or this one, never a mix.
-        """
-        validate_id(session_id)
-        packed = token_array(tokens)
-        if not packed:
-            raise InvalidArgumentError("a session needs at least one token")
-        self.spec.check_kv(kv, len(packed))
-        state = _json_object(state)
-        keys = self._keys(packed)
-        full = len(keys) * self.chunk_tokens
-        async with self._session_lock(session_id):
-            prev = await self._catalog.get(self.tenant, session_id)
-            version = prev.version + 1 if prev else 1
-            tkey = tail_key(self.fingerprint, self.tenant, session_id, version) if len(packed) > full else None
-            with self._pinned(keys + ([tkey] if tkey else [])):
-                await self._store_chunks(keys, kv, durable=True)
-                if tkey:
-                    await self._transfer.write([tkey], [kv[:, :, full:]], durable=True)
-                stamp = now()
-                manifest = SessionManifest(
-                    session_id=session_id, tenant=self.tenant, fingerprint=self.fingerprint,
-                    chunk_tokens=self.chunk_tokens, tokens=packed.tolist(), chunk_keys=keys, tail_key=tkey,
-                    state=state, version=version, parent=prev.parent if prev else None,
-                    created_at=prev.created_at if prev else stamp, updated_at=stamp,
-                    ttl_seconds=ttl_seconds, pinned=pinned,
-                )  # fmt: skip
-                zeroed = await self._catalog.commit(manifest, prev.version if prev else None)
-            await self._collect(zeroed)
-            if prev and prev.tail_key and prev.tail_key != tkey:
-                await self.manager.delete([prev.tail_key])
-        return manifest
-
-    async def _manifest(self, session_id: str) -> SessionManifest:
-        validate_id(session_id)
-        manifest = await self._catalog.get(self.tenant, session_id)
-        if manifest is None or manifest.expired():
-            raise SessionNotFoundError(f"no session {session_id!r}")
-        if manifest.fingerprint != self.fingerprint:
-            raise SpecMismatchError(
-                f"session {session_id!r} was stored for spec {manifest.fingerprint}, this store serves {self.fingerprint}"
-            )
-        return manifest
-
-    async def resume(self, session_id: str, into: torch.Tensor | KVTarget | None = None) -> ResumeResult:
-        """Restore a session's tokens, state and KV, exact to the last token (tail included).
-
-        KV lands in `into` (a canonical tensor or a KVTarget such as an engine's paged pool, with
-        room for the whole session) when given; else in a fresh huge-page host tensor.
-        """
-        manifest = await self._manifest(session_id)
-        kv = None
-        if into is None:
-            kv = self._buffers.tensor(self.spec.kv_shape(manifest.num_tokens), self.spec.torch_dtype)
-        target = self._target(kv if kv is not None else into)
-        if target.num_tokens < manifest.num_tokens:
-            raise KVShapeError(f"into holds {target.num_tokens} tokens, session {session_id!r} has {manifest.num_tokens}")
-        keys: list[str] = [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
-        with self._pinned(keys):
-            ok = await self._transfer.read(keys, self._spans(len(manifest.chunk_keys), manifest.num_tokens), target)
-        target.synchronize()
-        lead = _leading(ok)
-        restored = manifest.num_tokens if lead == len(keys) else lead * self.chunk_tokens
-        if restored < manifest.num_tokens:
-            log.warning("session %s resumed %d of %d tokens: stored data missing or corrupt", session_id, restored, manifest.num_tokens)
-        if kv is not None and restored < manifest.num_tokens:
-            kv[:, :, restored:].zero_()  # a pooled buffer holds old bytes: expose none of them
-        if kv is None and isinstance(target, TensorTarget):
-            kv = target.tensor
-        return ResumeResult(
-            manifest=manifest, kv=kv[:, :, :restored] if kv is not None else None, restored_tokens=restored
-        )
-
-    async def fork(self, source_id: str, new_id: str) -> SessionManifest:
-        """A new session sharing every chunk of `source_id` (no copy); only the small tail is copied."""
-        src = await self._manifest(source_id)
-        validate_id(new_id)
-        async with self._session_lock(new_id):
-            if await self._catalog.get(self.tenant, new_id) is not None:
-                raise ConflictError(f"session {new_id!r} already exists")
-            tkey = None
-            pins: list[str] = list(src.chunk_keys)
-            if src.tail_key:
-                tail = self.spec.empty_kv(src.tail_tokens)
-                tkey = tail_key(self.fingerprint, self.tenant, new_id, 1)
-                pins.append(tkey)
-            with self._pinned(pins):
-                if src.tail_key and tkey:
-                    span = [(0, src.tail_tokens)]
-                    if not (await self._transfer.read([src.tail_key], span, TensorTarget(tail, self.spec)))[0]:
-                        raise CorruptDataError(f"tail of session {source_id!r} is missing or corrupt")
-                    await self._transfer.write([tkey], [tail], durable=True)
-                stamp = now()
-                manifest = src.model_copy(
-                    update=dict(session_id=new_id, tail_key=tkey, version=1, parent=source_id, created_at=stamp, updated_at=stamp)
-                )
-                await self._catalog.commit(manifest, None)
-        return manifest
-
-    async def delete(self, session_id: str) -> None:
-        """Remove a session; chunks no other session or prefix references are deleted."""
-        validate_id(session_id)
-        async with self._session_lock(session_id):
-            manifest, zeroed = await self._catalog.remove(self.tenant, session_id)
-            if manifest is None:
-                raise SessionNotFoundError(f"no session {session_id!r}")
-            await self._collect(zeroed)
-            if manifest.tail_key:
-                await self.manager.delete([manifest.tail_key])
-
-    async def sessions(self) -> AsyncIterator[SessionManifest]:
-        for manifest in await self._catalog.manifests(self.tenant):
-            if not manifest.expired():
-                yield manifest
-
-    async def gc(self) -> int:
-        """Delete expired sessions, then chunks and tails nothing references (crash leftovers)."""
-        removed = 0
-        for manifest in await self._catalog.manifests(self.tenant):
-            if manifest.expired():
-                with contextlib.suppress(SessionNotFoundError):
-                    await self.delete(manifest.session_id)
-                    removed += 1
-        fp = self.fingerprint
-        record = self.record.backend
-        chunk = [k async for k in record.keys(f"{CHUNK_PREFIX}{fp}/") if not self.index.pinned(k)]
-        counts = await self._catalog.refcounts(chunk)
-        orphans = [k for k, n in zip(chunk, counts) if n == 0]
-        await self._collect(orphans)
-        live_tails = {m.tail_key for m in await self._catalog.manifests(None)}
-        tails = [
-            k async for k in record.keys(f"{TAIL_PREFIX}{fp}/") if k not in live_tails and not self.index.pinned(k)
-        ]
-        if tails:
-            await self.manager.delete(tails)
-        return removed + len(orphans) + len(tails)
 
     async def stats(self) -> StoreStats:
         return StoreStats(
@@ -526,21 +408,3 @@ class _Opening:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._store.close()
-
-
-def _leading(ok: Sequence[bool]) -> int:
-    for i, good in enumerate(ok):
-        if not good:
-            return i
-    return len(ok)
-
-
-def _json_object(state: dict[str, Any] | None) -> dict[str, Any]:
-    if state is None:
-        return {}
-    if not isinstance(state, dict):
-        raise InvalidArgumentError(f"state must be a JSON object (dict), got {type(state).__name__}")
-    try:
-        return json.loads(json.dumps(state, allow_nan=False))
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"state is not JSON-serializable: {exc}") from None

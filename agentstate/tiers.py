@@ -127,18 +127,28 @@ class TierManager:
                 if tier is self.record or not isinstance(result, AgentStateError):
                     raise result
                 self.counts[f"{tier.name}_put_errors"] += 1
-                log.warning("tier %s: put of %d chunks failed (%s); continuing without it", tier.name, len(keys), result)
+                log.warning(
+                    "tier %s: put of %d chunks failed (%s); continuing without it", tier.name, len(keys), result
+                )
 
     async def discover(self, keys: Sequence[str]) -> None:
         """Ask remote tiers, in one batched call each, about keys the index does not know."""
         unknown = [k for k in keys if not self.index.tiers_of(k)]
         for tier in self.tiers:
             if unknown and tier.backend.remote:
-                found = [k for k, hit in zip(unknown, await tier.backend.exists(unknown)) if hit]
-                for key in found:
-                    tier.lru[key] = 0
-                self.index.add(found, tier.name)
-                unknown = [k for k in unknown if k not in set(found)]
+                present = await tier.backend.exists(unknown)
+                self.note(tier, unknown, present)
+                unknown = [k for k, hit in zip(unknown, present) if not hit]
+
+    def note(self, tier: Tier, keys: Sequence[str], present: Sequence[bool]) -> None:
+        """Record what a remote tier said it holds (other hosts write and delete there too)."""
+        for key, hit in zip(keys, present):
+            if hit:
+                tier.lru.setdefault(key, 0)
+            else:
+                tier.used -= tier.lru.pop(key, 0)
+        self.index.add([k for k, hit in zip(keys, present) if hit], tier.name)
+        self.index.discard([k for k, hit in zip(keys, present) if not hit], tier.name)
 
     async def put(self, tier: Tier, keys: Sequence[str], values: Sequence[Value]) -> None:
         """Put into one tier, evicting (and demoting) to make room; returns once all are stored.
@@ -264,8 +274,12 @@ class TierManager:
                 moved = [k for k in values if self.index.holds(k, upper[-1].name)]
                 await self._remove(tier, moved)
         if self.policy == "write_through_selective" and account:
-            hot = [k for k in keys if self.index.hits(k) >= self.threshold and not self.index.holds(k, self.record.name)]
+            hot = [
+                k for k in keys if self.index.hits(k) >= self.threshold and not self.index.holds(k, self.record.name)
+            ]
             if hot:
                 held = [(k, await self.read_bytes(tier, k)) for k in hot]
-                await self.put(self.record, [k for k, v in held if v is not None], [v for _, v in held if v is not None])
+                await self.put(
+                    self.record, [k for k, v in held if v is not None], [v for _, v in held if v is not None]
+                )
                 self.counts["selective_writes"] += len(hot)

@@ -135,7 +135,11 @@ class Transfer:
                 i = run[j]
                 try:
                     src = codec.decode(
-                        view, fingerprint=self.fingerprint, dtype=dtype, shape=self.spec.kv_shape(tokens[i]), verify=verify
+                        view,
+                        fingerprint=self.fingerprint,
+                        dtype=dtype,
+                        shape=self.spec.kv_shape(tokens[i]),
+                        verify=verify,
                     )
                     if deliver is not None:
                         deliver(i, src)

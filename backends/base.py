@@ -146,5 +146,22 @@ class Backend(ABC):
         await self.read(keys, size)
         return out
 
+    async def touch(self, keys: Sequence[str]) -> list[bool]:
+        """Which keys exist, marking them as just used, so a shared store's gc keeps them.
+
+        A snapshot that reuses chunks another host wrote touches them before it commits: gc on
+        any host deletes an unreferenced chunk only if it has not been used for a grace period.
+        """
+        return await self.exists(keys)
+
+    async def delete_idle(self, keys: Sequence[str], idle_seconds: float) -> list[str]:
+        """Delete the keys unused for at least `idle_seconds` (atomically per key); returns those deleted.
+
+        Stores without a notion of use time delete them all: only shared stores need the guard.
+        """
+        present = [k for k, hit in zip(keys, await self.exists(keys)) if hit]
+        await self.delete(present)
+        return present
+
     async def aclose(self) -> None:
         await self.close()

@@ -278,7 +278,9 @@ class FileBackend(Pinnable, Backend):
             finally:
                 os.close(fd)
 
-    def _load_fd(self, fd: int, direct: bool, trailer: bytes, dest: memoryview | None, i: int, sink: ReadSink | None) -> int:
+    def _load_fd(
+        self, fd: int, direct: bool, trailer: bytes, dest: memoryview | None, i: int, sink: ReadSink | None
+    ) -> int:
         staging = self._staging
         size = os.fstat(fd).st_size
         vlen = size - len(trailer)

@@ -205,9 +205,7 @@ class LMDBBackend(Backend):
             except lmdb.Error as exc:
                 self._counts["errors"] += 1
                 raise BackendError(f"LMDB write failed: {exc}") from exc
-            self._counts.update(
-                writes=sum(len(op.puts) for op in batch), deletes=sum(len(op.deletes) for op in batch)
-            )
+            self._counts.update(writes=sum(len(op.puts) for op in batch), deletes=sum(len(op.deletes) for op in batch))
             return
 
     def _grow(self) -> None:

@@ -24,6 +24,14 @@ log = logging.getLogger("agentstate.backends.redis")
 T = TypeVar("T")
 
 
+# OBJECT IDLETIME has a resolution of seconds and is reset by any read or TOUCH of the key.
+_DELETE_IF_IDLE = """
+local idle = redis.call('OBJECT', 'IDLETIME', KEYS[1])
+if idle and idle >= tonumber(ARGV[1]) then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 class CircuitBreaker:
     """Opens after `threshold` consecutive failures; lets one probe through after `cooldown_s`."""
 
@@ -144,6 +152,22 @@ class RedisBackend(Backend):
         if keys:
             await self._pipeline(lambda p: [p.delete(self._k(k)) for k in keys])
             self._counts["deletes"] += len(keys)
+
+    async def touch(self, keys: Sequence[str]) -> list[bool]:
+        """TOUCH resets each key's idle time (EXISTS does not); a failure raises, since a snapshot
+        that cannot confirm a chunk in the shared store must write it again or fail."""
+        if not keys:
+            return []
+        return [bool(n) for n in await self._pipeline(lambda p: [p.touch(self._k(k)) for k in keys])]
+
+    async def delete_idle(self, keys: Sequence[str], idle_seconds: float) -> list[str]:
+        if not keys:
+            return []
+        idle = str(int(idle_seconds))
+        got = await self._pipeline(lambda p: [p.eval(_DELETE_IF_IDLE, 1, self._k(k), idle) for k in keys])
+        deleted = [k for k, n in zip(keys, got) if int(n)]
+        self._counts["deletes"] += len(deleted)
+        return deleted
 
     async def keys(self, prefix: str | None = None) -> AsyncIterator[str]:
         pattern = self._k(prefix or "").replace("*", r"\*").replace("?", r"\?").replace("[", r"\[") + "*"

@@ -18,14 +18,14 @@ def manifest(sid: str, version: int, keys: list[str], tokens: int = 10) -> Sessi
 
 async def test_commit_counts_references_and_checks_versions(tmp_path: Path) -> None:
     cat = Catalog(tmp_path / "cat")
-    assert await cat.commit(manifest("a", 1, ["k1", "k2"]), None) == []
-    assert await cat.commit(manifest("b", 1, ["k1"]), None) == []
+    assert await cat.commit(manifest("a", 1, ["k1", "k2"]), None) == ([], None)
+    assert await cat.commit(manifest("b", 1, ["k1"]), None) == ([], None)
     assert await cat.refcounts(["k1", "k2", "k3"]) == [2, 1, 0]
     with pytest.raises(ConflictError):
         await cat.commit(manifest("a", 2, ["k1"]), None)  # a exists: expected version must match
     with pytest.raises(ConflictError):
         await cat.commit(manifest("a", 3, ["k1"]), 2)
-    assert await cat.commit(manifest("a", 2, ["k1", "k3"]), 1) == ["k2"]  # k2 lost its last reference
+    assert await cat.commit(manifest("a", 2, ["k1", "k3"]), 1) == (["k2"], None)  # k2 lost its last reference
     assert (await cat.get("t", "a")).version == 2  # type: ignore[union-attr]
     old, zeroed = await cat.remove("t", "a")
     assert old is not None and zeroed == ["k3"]

@@ -67,4 +67,5 @@ def test_bad_tokens_and_namespaces() -> None:
     with pytest.raises(InvalidSessionIdError):
         namespace_for("../t")
     assert namespace_for("t", shared=True) == "global"
-    assert tail_key(FP, "t", "s", 3) == f"t/{FP}/t/s/3"
+    assert tail_key(FP, "t", "s", 3, "w1") == f"t/{FP}/t/s/3.w1"
+    assert tail_key(FP, "t", "s", 3) != tail_key(FP, "t", "s", 3)  # one per write attempt

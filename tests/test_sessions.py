@@ -92,7 +92,7 @@ async def test_ttl_expiry_and_pinning(store: StateStore, monkeypatch: pytest.Mon
     toks, kv = random_tokens(100), random_kv(SPEC4, 100)
     clock = [1_000_000.0]
     monkeypatch.setattr(manifest, "now", lambda: clock[0])
-    monkeypatch.setattr("agentstate.store.now", lambda: clock[0])
+    monkeypatch.setattr("agentstate.sessions.now", lambda: clock[0])
     await store.snapshot("short", toks, kv, ttl_seconds=60)
     await store.snapshot("pinned", toks, kv, ttl_seconds=60, pinned=True)
     clock[0] += 59

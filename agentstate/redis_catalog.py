@@ -1,0 +1,167 @@
+"""A catalog every host shares: session manifests and shared-prefix records in Redis.
+
+With it, any engine host can resume any session: the manifest says which chunks and which tail
+make the session, and the remote tier (the record tier in this mode) holds them.
+
+- A session is one hash `m/<tenant>/<session>` with fields `version`, `body` (the manifest JSON)
+  and `tail`. A commit is one Lua script on that one key: it writes only if the stored version is
+  the one the writer started from, so two hosts writing one session never interleave; the loser
+  gets a ConflictError (or retries on top of the winner when it asked for `force`).
+- A shared prefix is one string `x/<fingerprint>/<last chunk key>` listing its chunk keys.
+- There are no shared reference counts: keeping counts exact across hosts would need a multi-key
+  transaction over every slot a manifest touches. Chunks are reclaimed instead by a mark-and-sweep
+  gc (StateStore.gc): whatever no manifest or prefix names, and nobody has used for a grace
+  period, is deleted. A snapshot touches every chunk it reuses before it commits, so a chunk a
+  commit is about to name is never "unused" when gc looks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
+
+from agentstate.catalog import Committed
+from agentstate.errors import BackendError, ConflictError, CorruptDataError
+from agentstate.manifest import SessionManifest
+
+T = TypeVar("T")
+
+_COMMIT = """
+local found = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+if found ~= tonumber(ARGV[1]) then return {0, found} end
+local old = redis.call('HGET', KEYS[1], 'tail') or ''
+redis.call('HSET', KEYS[1], 'version', ARGV[2], 'body', ARGV[3], 'tail', ARGV[4])
+return {1, old}
+"""
+
+_REMOVE = """
+local body = redis.call('HGET', KEYS[1], 'body')
+if body then redis.call('DEL', KEYS[1]) end
+return body
+"""
+
+
+class RedisCatalog:
+    """The Catalog interface (see agentstate.catalog.Catalog) over a Redis server or cluster."""
+
+    shared = True
+
+    def __init__(self, url: str, *, cluster: bool = False, prefix: str = "agentstate:", timeout_s: float = 5.0) -> None:
+        import redis.asyncio as aioredis  # optional dependency: loaded only when a shared catalog is chosen
+
+        opts: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        cls = aioredis.RedisCluster if cluster else aioredis.Redis
+        self._client: Any = cls.from_url(url, **opts)
+        self._errors = (aioredis.RedisError, OSError, asyncio.TimeoutError)
+        self._prefix, self._timeout_s = prefix, timeout_s
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Every catalog call is bounded and fails as one typed, retryable error."""
+        try:
+            return await asyncio.wait_for(fn(), self._timeout_s)
+        except self._errors as exc:
+            raise BackendError(f"shared catalog unavailable: {type(exc).__name__}: {exc}") from exc
+
+    def _skey(self, tenant: str, session_id: str) -> str:
+        return f"{self._prefix}m/{tenant}/{session_id}"
+
+    @staticmethod
+    def _parse(raw: bytes | None) -> SessionManifest | None:
+        if raw is None:
+            return None
+        try:
+            return SessionManifest.model_validate_json(raw)
+        except ValidationError as exc:
+            raise CorruptDataError(f"stored manifest does not parse: {exc.error_count()} errors") from None
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    async def get(self, tenant: str, session_id: str) -> SessionManifest | None:
+        return self._parse(await self._call(lambda: self._client.hget(self._skey(tenant, session_id), "body")))
+
+    async def version(self, tenant: str, session_id: str) -> int:
+        raw = await self._call(lambda: self._client.hget(self._skey(tenant, session_id), "version"))
+        return int(raw or 0)
+
+    async def _scan(self, pattern: str) -> list[str]:
+        async def run() -> list[str]:
+            return [
+                k.decode() if isinstance(k, bytes) else k
+                async for k in self._client.scan_iter(match=pattern, count=1000)
+            ]
+
+        return list(await self._call(run))
+
+    async def manifests(self, tenant: str | None = None) -> list[SessionManifest]:
+        keys = await self._scan(f"{self._prefix}m/{'*' if tenant is None else _glob_escape(tenant) + '/*'}")
+
+        async def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hget(key, "body")
+            return list(await pipe.execute())
+
+        bodies = await self._call(run) if keys else []
+        return [m for m in (self._parse(b) for b in bodies) if m is not None]
+
+    async def commit(self, manifest: SessionManifest, expected_version: int | None) -> Committed:
+        """Write `manifest` if the stored version is `expected_version` (None: must not exist)."""
+        key = self._skey(manifest.tenant, manifest.session_id)
+        args = (expected_version or 0, manifest.version, manifest.model_dump_json(), manifest.tail_key or "")
+        done, found = await self._call(lambda: self._client.eval(_COMMIT, 1, key, *args))
+        if not int(done):
+            raise ConflictError(
+                f"session {manifest.session_id!r} is at version {int(found)}, expected {expected_version}"
+            )
+        old_tail = found.decode() if isinstance(found, bytes) else str(found)
+        return Committed(zeroed=[], old_tail=old_tail or None)
+
+    async def remove(self, tenant: str, session_id: str) -> tuple[SessionManifest | None, list[str]]:
+        raw = await self._call(lambda: self._client.eval(_REMOVE, 1, self._skey(tenant, session_id)))
+        return self._parse(raw), []
+
+    async def session_count(self) -> int:
+        return len(await self._scan(f"{self._prefix}m/*"))
+
+    # -- shared prefixes -----------------------------------------------------------------------
+
+    def _pkey(self, last_key: str) -> str:
+        return f"{self._prefix}x/{last_key}"
+
+    async def add_prefix(self, keys: Sequence[str]) -> bool:
+        if not keys:
+            return False
+        body = "\n".join(keys)
+        return bool(await self._call(lambda: self._client.set(self._pkey(keys[-1]), body, nx=True)))
+
+    async def remove_prefix(self, last_key: str) -> list[str]:
+        await self._call(lambda: self._client.delete(self._pkey(last_key)))
+        return []
+
+    async def prefix_keys(self) -> set[str]:
+        """Every chunk key some shared prefix names (gc's mark phase)."""
+        names = await self._scan(f"{self._prefix}x/*")
+
+        async def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.get(name)
+            return list(await pipe.execute())
+
+        bodies = await self._call(run) if names else []
+        return {k for b in bodies if b for k in (b.decode() if isinstance(b, bytes) else b).split("\n")}
+
+    async def refcounts(self, keys: Sequence[str]) -> list[int]:
+        """Shared stores keep no counts (see the module docstring): every key counts as referenced,
+        so nothing is deleted on the strength of a count; gc's mark phase decides instead."""
+        return [1] * len(keys)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -1,0 +1,270 @@
+"""Session operations of StateStore: snapshot, resume, fork, delete, list, gc.
+
+A mixin, so `StateStore` keeps one flat API while its tier and prefix plumbing (store.py) and its
+session lifecycle (this file) live apart. Everything here goes through the catalog, local
+(LMDB) or shared by every host (Redis), with the same rules: data first, the manifest last, one
+atomic compare-and-set on the session's version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from agentstate.catalog import Committed
+from agentstate.errors import (
+    AgentStateError,
+    ConflictError,
+    CorruptDataError,
+    InvalidArgumentError,
+    KVShapeError,
+    SessionNotFoundError,
+    SpecMismatchError,
+)
+from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, tail_key, token_array, validate_id
+from agentstate.manifest import ResumeResult, SessionManifest, now
+from agentstate.target import KVTarget, TensorTarget
+
+if TYPE_CHECKING:
+    from agentstate.store import StateStore
+
+log = logging.getLogger("agentstate.sessions")
+_FORCE_RETRIES = 16
+
+
+class SessionOps:
+    """Mixed into StateStore (`self` is the store)."""
+
+    async def snapshot(
+        self: StateStore,
+        session_id: str,
+        tokens: Sequence[int] | torch.Tensor,
+        kv: torch.Tensor,
+        state: dict[str, Any] | None = None,
+        *,
+        ttl_seconds: float | None = None,
+        pinned: bool = False,
+        expected_version: int | None = None,
+        force: bool = False,
+    ) -> SessionManifest:
+        """Durably store a session: chunks and tail reach the record tier first, then the manifest commits.
+
+        A crash leaves the previous version or this one, never a mix. `expected_version` is the
+        version this writer last saw (e.g. the one it resumed): when another writer, on this host
+        or another, committed since, this raises ConflictError and leaves that writer's session
+        untouched. `force=True` makes this write win on top of whatever is there.
+        """
+        validate_id(session_id)
+        packed = token_array(tokens)
+        if not packed:
+            raise InvalidArgumentError("a session needs at least one token")
+        self.spec.check_kv(kv, len(packed))
+        state = _json_object(state)
+        keys = self._keys(packed)
+        full = len(keys) * self.chunk_tokens
+        async with self._session_lock(session_id):
+            prev = await self._catalog.get(self.tenant, session_id)
+            base = prev.version if prev else 0
+            if expected_version is not None and expected_version != base and not force:
+                raise ConflictError(f"session {session_id!r} is at version {base}, expected {expected_version}")
+            tkey = tail_key(self.fingerprint, self.tenant, session_id, base + 1) if len(packed) > full else None
+            with self._pinned(keys + ([tkey] if tkey else [])):
+                await self._store_chunks(keys, kv, durable=True)
+                if tkey:
+                    await self._transfer.write([tkey], [kv[:, :, full:]], durable=True)
+                stamp = now()
+                manifest = SessionManifest(
+                    session_id=session_id, tenant=self.tenant, fingerprint=self.fingerprint,
+                    chunk_tokens=self.chunk_tokens, tokens=packed.tolist(), chunk_keys=keys, tail_key=tkey,
+                    state=state, version=base + 1, parent=prev.parent if prev else None,
+                    created_at=prev.created_at if prev else stamp, updated_at=stamp,
+                    ttl_seconds=ttl_seconds, pinned=pinned,
+                )  # fmt: skip
+                try:
+                    manifest, committed = await self._commit(manifest, base, force=force)
+                except AgentStateError:
+                    if tkey:  # written under a name unique to this attempt: nothing else names it
+                        await self.manager.delete([tkey])
+                    raise
+            await self._collect(committed.zeroed)
+            if committed.old_tail and committed.old_tail != tkey:
+                await self.manager.delete([committed.old_tail])
+        return manifest
+
+    async def _commit(
+        self: StateStore, manifest: SessionManifest, base: int, *, force: bool
+    ) -> tuple[SessionManifest, Committed]:
+        """Compare-and-set on the version; under `force`, retry on top of each newer version seen."""
+        for _ in range(_FORCE_RETRIES):
+            try:
+                return manifest, await self._catalog.commit(manifest, base or None)
+            except ConflictError:
+                if not force:
+                    raise
+                base = await self._catalog.version(manifest.tenant, manifest.session_id)
+                manifest = manifest.model_copy(update={"version": base + 1})
+        raise ConflictError(f"session {manifest.session_id!r} kept changing: {_FORCE_RETRIES} forced commits lost")
+
+    async def _manifest(self: StateStore, session_id: str) -> SessionManifest:
+        validate_id(session_id)
+        manifest = await self._catalog.get(self.tenant, session_id)
+        if manifest is None or manifest.expired():
+            raise SessionNotFoundError(f"no session {session_id!r}")
+        if manifest.fingerprint != self.fingerprint:
+            raise SpecMismatchError(
+                f"session {session_id!r} was stored for spec {manifest.fingerprint}, this store serves {self.fingerprint}"
+            )
+        return manifest
+
+    async def resume(self: StateStore, session_id: str, into: torch.Tensor | KVTarget | None = None) -> ResumeResult:
+        """Restore a session's tokens, state and KV, exact to the last token (tail included).
+
+        KV lands in `into` (a canonical tensor or a KVTarget such as an engine's paged pool, with
+        room for the whole session) when given; else in a fresh huge-page host tensor. Chunks
+        this host has never seen (another host wrote the session) are found in the remote tiers.
+        """
+        manifest = await self._manifest(session_id)
+        kv = None
+        if into is None:
+            kv = self._buffers.tensor(self.spec.kv_shape(manifest.num_tokens), self.spec.torch_dtype)
+        target = self._target(kv if kv is not None else into)
+        if target.num_tokens < manifest.num_tokens:
+            raise KVShapeError(
+                f"into holds {target.num_tokens} tokens, session {session_id!r} has {manifest.num_tokens}"
+            )
+        keys: list[str] = [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
+        with self._pinned(keys):
+            await self.manager.discover(keys)
+            ok = await self._transfer.read(keys, self._spans(len(manifest.chunk_keys), manifest.num_tokens), target)
+        target.synchronize()
+        lead = _leading(ok)
+        restored = manifest.num_tokens if lead == len(keys) else lead * self.chunk_tokens
+        if restored < manifest.num_tokens:
+            log.warning(
+                "session %s resumed %d of %d tokens: stored data missing or corrupt",
+                session_id,
+                restored,
+                manifest.num_tokens,
+            )
+        if kv is not None and restored < manifest.num_tokens:
+            kv[:, :, restored:].zero_()  # a pooled buffer holds old bytes: expose none of them
+        if kv is None and isinstance(target, TensorTarget):
+            kv = target.tensor
+        return ResumeResult(
+            manifest=manifest, kv=kv[:, :, :restored] if kv is not None else None, restored_tokens=restored
+        )
+
+    async def fork(self: StateStore, source_id: str, new_id: str) -> SessionManifest:
+        """A new session sharing every chunk of `source_id` (no copy); only the small tail is copied."""
+        src = await self._manifest(source_id)
+        validate_id(new_id)
+        async with self._session_lock(new_id):
+            if await self._catalog.get(self.tenant, new_id) is not None:
+                raise ConflictError(f"session {new_id!r} already exists")
+            tkey = None
+            pins: list[str] = list(src.chunk_keys)
+            if src.tail_key:
+                tkey = tail_key(self.fingerprint, self.tenant, new_id, 1)
+                pins.append(tkey)
+            with self._pinned(pins):
+                if self.record.backend.remote:
+                    await self._missing_remote(src.chunk_keys)  # touched: no host's gc takes them now
+                if src.tail_key and tkey:
+                    tail = self.spec.empty_kv(src.tail_tokens)
+                    await self.manager.discover([src.tail_key])
+                    span = [(0, src.tail_tokens)]
+                    if not (await self._transfer.read([src.tail_key], span, TensorTarget(tail, self.spec)))[0]:
+                        raise CorruptDataError(f"tail of session {source_id!r} is missing or corrupt")
+                    await self._transfer.write([tkey], [tail], durable=True)
+                stamp = now()
+                fields = {"session_id": new_id, "tail_key": tkey, "version": 1, "parent": source_id}
+                manifest = src.model_copy(update={**fields, "created_at": stamp, "updated_at": stamp})
+                await self._catalog.commit(manifest, None)
+        return manifest
+
+    async def delete(self: StateStore, session_id: str) -> None:
+        """Remove a session; chunks no other session or prefix references are deleted (shared
+        stores: by the next gc, see `gc`)."""
+        validate_id(session_id)
+        async with self._session_lock(session_id):
+            manifest, zeroed = await self._catalog.remove(self.tenant, session_id)
+            if manifest is None:
+                raise SessionNotFoundError(f"no session {session_id!r}")
+            await self._collect(zeroed)
+            if manifest.tail_key:
+                await self.manager.delete([manifest.tail_key])
+
+    async def sessions(self: StateStore) -> AsyncIterator[SessionManifest]:
+        for manifest in await self._catalog.manifests(self.tenant):
+            if not manifest.expired():
+                yield manifest
+
+    async def gc(self: StateStore) -> int:
+        """Delete expired sessions, then chunks and tails nothing references; returns how many went.
+
+        Local catalog: reference counts say what is garbage (crash leftovers). Shared catalog:
+        mark and sweep, every tier of this host and the remote tiers, where a chunk is deleted
+        only if unused for `gc_grace_seconds` (a snapshot on another host may be about to name it).
+        """
+        removed = 0
+        for manifest in await self._catalog.manifests(self.tenant):
+            if manifest.expired():
+                with contextlib.suppress(SessionNotFoundError):
+                    await self.delete(manifest.session_id)
+                    removed += 1
+        if self._catalog.shared:
+            return removed + await self._sweep_shared()
+        fp = self.fingerprint
+        record = self.record.backend
+        chunk = [k async for k in record.keys(f"{CHUNK_PREFIX}{fp}/") if not self.index.pinned(k)]
+        counts = await self._catalog.refcounts(chunk)
+        orphans = [k for k, n in zip(chunk, counts) if n == 0]
+        await self._collect(orphans)
+        live_tails = {m.tail_key for m in await self._catalog.manifests(None)}
+        tails = [
+            k async for k in record.keys(f"{TAIL_PREFIX}{fp}/") if k not in live_tails and not self.index.pinned(k)
+        ]
+        if tails:
+            await self.manager.delete(tails)
+        return removed + len(orphans) + len(tails)
+
+    async def _sweep_shared(self: StateStore) -> int:
+        live = await self._catalog.prefix_keys()  # type: ignore[union-attr]
+        for manifest in await self._catalog.manifests(None):
+            live.update(manifest.chunk_keys)
+            if manifest.tail_key:
+                live.add(manifest.tail_key)
+        removed = 0
+        for tier in self.manager.tiers:
+            found = [k for p in (CHUNK_PREFIX, TAIL_PREFIX) async for k in tier.backend.keys(f"{p}{self.fingerprint}/")]
+            dead = [k for k in found if k not in live and not self.index.pinned(k)]
+            if tier.backend.remote:
+                dead = await tier.backend.delete_idle(dead, self.config.gc_grace_seconds)
+                self.manager.note(tier, dead, [False] * len(dead))
+            elif dead:
+                await self.manager.delete(dead, [tier])
+            removed += len(dead)
+        return removed
+
+
+def _leading(ok: Sequence[bool]) -> int:
+    for i, good in enumerate(ok):
+        if not good:
+            return i
+    return len(ok)
+
+
+def _json_object(state: dict[str, Any] | None) -> dict[str, Any]:
+    if state is None:
+        return {}
+    if not isinstance(state, dict):
+        raise InvalidArgumentError(f"state must be a JSON object (dict), got {type(state).__name__}")
+    try:
+        return json.loads(json.dumps(state, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"state is not JSON-serializable: {exc}") from None
