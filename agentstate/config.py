@@ -28,6 +28,7 @@ class TierConfig(BaseModel):
     url: str = Field(default="redis://127.0.0.1:6379/0", description="redis tier: server or cluster URL")
     cluster: bool = Field(default=False, description="redis tier: use the Redis Cluster client")
     ttl_seconds: int | None = Field(default=None, gt=0, description="redis tier: expire chunks after this")
+    prefix: str = Field(default="agentstate:", description="redis tier: key prefix of this deployment")
 
     @property
     def tier_name(self) -> str:

@@ -1,7 +1,7 @@
 """Session operations of StateStore: snapshot, resume, fork, delete, list, gc.
 
-A mixin, so `StateStore` keeps one flat API while its tier and prefix plumbing (store.py) and its
-session lifecycle (this file) live apart. Everything here goes through the catalog, local
+`StateStore` (store.py: prefixes, matches, loads) derives from SessionOps, which derives from
+StoreBase (store_base.py: tiers, catalog, IO engine): one flat API, three files with one owner each. Everything here goes through the catalog, local
 (LMDB) or shared by every host (Redis), with the same rules: data first, the manifest last, one
 atomic compare-and-set on the session's version.
 """
@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -28,20 +28,18 @@ from agentstate.errors import (
 )
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, tail_key, token_array, validate_id
 from agentstate.manifest import ResumeResult, SessionManifest, now
+from agentstate.store_base import StoreBase
 from agentstate.target import KVTarget, TensorTarget
-
-if TYPE_CHECKING:
-    from agentstate.store import StateStore
 
 log = logging.getLogger("agentstate.sessions")
 _FORCE_RETRIES = 16
 
 
-class SessionOps:
-    """Mixed into StateStore (`self` is the store)."""
+class SessionOps(StoreBase):
+    """The session lifecycle; every write goes data first, then one compare-and-set of the manifest."""
 
     async def snapshot(
-        self: StateStore,
+        self,
         session_id: str,
         tokens: Sequence[int] | torch.Tensor,
         kv: torch.Tensor,
@@ -96,9 +94,7 @@ class SessionOps:
                 await self.manager.delete([committed.old_tail])
         return manifest
 
-    async def _commit(
-        self: StateStore, manifest: SessionManifest, base: int, *, force: bool
-    ) -> tuple[SessionManifest, Committed]:
+    async def _commit(self, manifest: SessionManifest, base: int, *, force: bool) -> tuple[SessionManifest, Committed]:
         """Compare-and-set on the version; under `force`, retry on top of each newer version seen."""
         for _ in range(_FORCE_RETRIES):
             try:
@@ -110,7 +106,7 @@ class SessionOps:
                 manifest = manifest.model_copy(update={"version": base + 1})
         raise ConflictError(f"session {manifest.session_id!r} kept changing: {_FORCE_RETRIES} forced commits lost")
 
-    async def _manifest(self: StateStore, session_id: str) -> SessionManifest:
+    async def _manifest(self, session_id: str) -> SessionManifest:
         validate_id(session_id)
         manifest = await self._catalog.get(self.tenant, session_id)
         if manifest is None or manifest.expired():
@@ -121,7 +117,11 @@ class SessionOps:
             )
         return manifest
 
-    async def resume(self: StateStore, session_id: str, into: torch.Tensor | KVTarget | None = None) -> ResumeResult:
+    async def session(self, session_id: str) -> SessionManifest:
+        """The session's current manifest (its version is what a later `snapshot` may expect)."""
+        return await self._manifest(session_id)
+
+    async def resume(self, session_id: str, into: torch.Tensor | KVTarget | None = None) -> ResumeResult:
         """Restore a session's tokens, state and KV, exact to the last token (tail included).
 
         KV lands in `into` (a canonical tensor or a KVTarget such as an engine's paged pool, with
@@ -159,7 +159,7 @@ class SessionOps:
             manifest=manifest, kv=kv[:, :, :restored] if kv is not None else None, restored_tokens=restored
         )
 
-    async def fork(self: StateStore, source_id: str, new_id: str) -> SessionManifest:
+    async def fork(self, source_id: str, new_id: str) -> SessionManifest:
         """A new session sharing every chunk of `source_id` (no copy); only the small tail is copied."""
         src = await self._manifest(source_id)
         validate_id(new_id)
@@ -187,7 +187,7 @@ class SessionOps:
                 await self._catalog.commit(manifest, None)
         return manifest
 
-    async def delete(self: StateStore, session_id: str) -> None:
+    async def delete(self, session_id: str) -> None:
         """Remove a session; chunks no other session or prefix references are deleted (shared
         stores: by the next gc, see `gc`)."""
         validate_id(session_id)
@@ -199,12 +199,12 @@ class SessionOps:
             if manifest.tail_key:
                 await self.manager.delete([manifest.tail_key])
 
-    async def sessions(self: StateStore) -> AsyncIterator[SessionManifest]:
+    async def sessions(self) -> AsyncIterator[SessionManifest]:
         for manifest in await self._catalog.manifests(self.tenant):
             if not manifest.expired():
                 yield manifest
 
-    async def gc(self: StateStore) -> int:
+    async def gc(self) -> int:
         """Delete expired sessions, then chunks and tails nothing references; returns how many went.
 
         Local catalog: reference counts say what is garbage (crash leftovers). Shared catalog:
@@ -233,7 +233,7 @@ class SessionOps:
             await self.manager.delete(tails)
         return removed + len(orphans) + len(tails)
 
-    async def _sweep_shared(self: StateStore) -> int:
+    async def _sweep_shared(self) -> int:
         live = await self._catalog.prefix_keys()  # type: ignore[union-attr]
         for manifest in await self._catalog.manifests(None):
             live.update(manifest.chunk_keys)
