@@ -1,6 +1,6 @@
 """Prefetch: bring a matched prefix up to host memory while the request waits to be scheduled.
 
-`StateStore.prefetch(tokens)` starts reading, from the slow tiers, every matched chunk that is
+`await StateStore.prefetch(tokens)` starts reading, from the slow tiers, every matched chunk that is
 not already in a memory tier, into owned host buffers (promoted into the host tier as they
 arrive). The handle is what `StateStore.load(..., prefetch=handle)` completes under a policy:
 

@@ -100,10 +100,14 @@ class StateStore(SessionOps):
             n = self.index.longest_prefix(keys)
         return n
 
-    def prefetch(self, tokens: Sequence[int] | torch.Tensor) -> PrefetchHandle:
-        """Start bringing the matched prefix of `tokens` into host memory; `load` completes it."""
+    async def prefetch(self, tokens: Sequence[int] | torch.Tensor) -> PrefetchHandle:
+        """Start bringing the matched prefix of `tokens` into host memory; `load` completes it.
+
+        Returns once the prefix is known (one batched `exists` per remote tier for chunks the index
+        lacks); the reads go on in the background.
+        """
         keys = self._keys(token_array(tokens))
-        keys = keys[: self.index.longest_prefix(keys)]
+        keys = keys[: await self._longest_prefix(keys)]
         handle = PrefetchHandle(keys, self.index)
         slow = [k for k in keys if not self._in_memory(k)]
         runs = batches([self.chunk_tokens * self.spec.token_bytes] * len(slow), self.config.batch_bytes)
@@ -149,7 +153,7 @@ class StateStore(SessionOps):
             if prefetch is not None:
                 await prefetch.wait()
         else:
-            prefetch = prefetch or self.prefetch(packed)
+            prefetch = prefetch or await self.prefetch(packed)
             await prefetch.wait(deadline)
             n = min(n, prefetch.ready(self._in_memory))
         with self._pinned(keys[:n]):

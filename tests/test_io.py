@@ -84,7 +84,7 @@ async def test_best_effort_returns_a_prefix_and_the_rest_arrives_later(open_stor
         await store.put_prefix(tokens, kv)
     async with open_store(io_depth=4, batch_bytes=1) as store:  # host tier empty after the reopen
         slow_record(store, delay=0.2)
-        handle = store.prefetch(tokens)
+        handle = await store.prefetch(tokens)
         into = torch.zeros_like(kv)
         n = await store.load(tokens, into, policy="best_effort", timeout=0.3, prefetch=handle)
         assert n % 64 == 0 and 0 < n < 16 * 64  # the first wave (4 chunks) made the deadline, not all 16
@@ -107,7 +107,7 @@ async def test_timeout_policy_and_wait_complete(open_store) -> None:  # type: ig
         assert bits_equal(into, kv)
     async with open_store(host_capacity_bytes=0, batch_bytes=1) as store:  # no host tier: staging buffers
         slow_record(store, delay=0.05)
-        handle = store.prefetch(tokens)
+        handle = await store.prefetch(tokens)
         into = torch.zeros_like(kv)
         assert await store.load(tokens, into, policy="wait_complete", prefetch=handle) == 8 * 64
         assert bits_equal(into, kv) and len(handle.staged) == 8

@@ -83,6 +83,13 @@ async def test_two_hosts_share_prefixes_through_the_redis_tier(tmp_path: Path, r
         assert await b.load(tokens, into) == 256 and bits_equal(into[:, :, :256], kv[:, :, :256])
         await b.flush()
         assert (await b.match(tokens)).tiers == ["host"] * 4  # promoted on the way
+    async with StateStore.open(tmp_path / "host-c", SPEC4, tiers=tiers, chunk_tokens=64) as c:
+        handle = await c.prefetch(tokens)  # known only to Redis: found, then read in the background
+        assert handle.keys and len(handle.keys) == 4 and await handle.wait()
+        assert handle.ready(lambda k: False) == 4
+        into = torch.zeros_like(kv)
+        assert await c.load(tokens, into, prefetch=handle, policy="best_effort") == 256
+        assert bits_equal(into[:, :, :256], kv[:, :, :256])
 
 
 async def test_a_dead_remote_tier_never_fails_a_store_or_a_restore(tmp_path: Path) -> None:
