@@ -75,7 +75,10 @@ class RedisBackend(Backend):
     ) -> None:
         import redis.asyncio as aioredis  # optional dependency: loaded only when this tier is chosen
 
-        opts: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        # Chunks are MiB-sized: 1 MiB socket reads (default 64 KiB) take a value in a few reads.
+        opts: dict[str, Any] = {
+            "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "socket_read_size": 1 << 20,
+        }  # fmt: skip
         if cluster:
             self._client: Any = aioredis.RedisCluster.from_url(url, **opts)
         else:
