@@ -10,6 +10,7 @@ BackendError (retryable); they never leave a partial value, since SET is atomic 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -21,6 +22,7 @@ from agentstate.backends.base import Backend, BackendStats, ReadSink
 from agentstate.errors import BackendError
 
 log = logging.getLogger("agentstate.backends.redis")
+FAILED = object()  # a key whose call failed (its node was down), as opposed to a miss
 T = TypeVar("T")
 
 
@@ -85,7 +87,9 @@ class RedisBackend(Backend):
             self._client = aioredis.Redis.from_url(url, **opts)
         self._errors = (aioredis.RedisError, OSError, asyncio.TimeoutError)
         self.prefix, self.ttl_seconds, self.timeout_s = prefix, ttl_seconds, timeout_s
+        self.cluster = cluster
         self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown_s)
+        self._node_breakers: dict[str, CircuitBreaker] = {}
         self._counts: Counter[str] = Counter()
         self._max_in_flight = max_in_flight
         self._gate: asyncio.Semaphore | None = None
@@ -93,82 +97,119 @@ class RedisBackend(Backend):
     def _k(self, key: str) -> str:
         return self.prefix + key
 
-    async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
-        """Run one round trip under the timeout and the breaker; failures raise BackendError."""
-        if self.breaker.open:
+    def _breaker(self, node: str | None) -> CircuitBreaker:
+        if node is None:
+            return self.breaker
+        if node not in self._node_breakers:
+            self._node_breakers[node] = CircuitBreaker(self.breaker.threshold, self.breaker.cooldown_s)
+        return self._node_breakers[node]
+
+    @property
+    def trips(self) -> int:
+        """Times a breaker opened: the tier's (single server) or any node's (cluster)."""
+        return self.breaker.trips + sum(b.trips for b in self._node_breakers.values())
+
+    async def _call(self, op: Callable[[], Awaitable[T]], node: str | None = None) -> T:
+        """Run one round trip under the timeout and the breaker (of `node` in a cluster); failures
+        raise BackendError."""
+        breaker = self._breaker(node)
+        if breaker.open:
             self._counts["errors"] += 1
-            raise BackendError("redis tier unavailable (circuit open)")
+            raise BackendError(f"redis {node or 'tier'} unavailable (circuit open)")
         if self._gate is None:
             self._gate = asyncio.Semaphore(self._max_in_flight)  # bounded connections, like any pool
         try:
             async with self._gate:
                 result = await asyncio.wait_for(op(), self.timeout_s)
         except self._errors as exc:
-            self.breaker.failure()
+            breaker.failure()
             self._counts["errors"] += 1
-            log.warning("redis call failed (%s: %s)", type(exc).__name__, exc)
+            log.warning("redis call to %s failed (%s: %s)", node or "server", type(exc).__name__, exc)
             raise BackendError(f"redis call failed: {type(exc).__name__}: {exc}") from exc
-        self.breaker.success()
+        breaker.success()
         return result
 
-    async def _pipeline(self, build: Callable[[Any], object]) -> list[Any]:
+    async def _pipeline(self, build: Callable[[Any], object], node: str | None = None) -> list[Any]:
         async def run() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             build(pipe)
             return list(await pipe.execute())
 
-        return await self._call(run)
+        return await self._call(run, node)
+
+    async def _per_key(self, keys: Sequence[str], command: Callable[[Any, str], object]) -> list[Any]:
+        """One command per key, pipelined; a key whose call failed comes back as FAILED.
+
+        A cluster gets one pipeline per node, all at once, each behind that node's breaker: a dead
+        node costs only the keys it holds, and the live nodes keep serving theirs.
+        """
+        if not self.cluster:
+            try:
+                return await self._pipeline(lambda p: [command(p, self._k(k)) for k in keys])
+            except BackendError:
+                return [FAILED] * len(keys)
+        groups: dict[str, list[int]] = {}
+        try:
+            await self._client.initialize()  # the slot map (a no-op once known)
+            for i, key in enumerate(keys):
+                groups.setdefault(self._client.get_node_from_key(self._k(key)).name, []).append(i)
+        except self._errors:
+            groups = {"?": list(range(len(keys)))}  # no slot map: let the client route (and fail) it all
+        out: list[Any] = [FAILED] * len(keys)
+
+        async def run(node: str, idx: list[int]) -> None:
+            with contextlib.suppress(BackendError):
+                got = await self._pipeline(lambda p: [command(p, self._k(keys[i])) for i in idx], node)
+                for i, value in zip(idx, got):
+                    out[i] = value
+
+        await asyncio.gather(*(run(node, idx) for node, idx in groups.items()))
+        return out
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
-        if not keys:
-            return []
-        try:
-            got = await self._pipeline(lambda p: [p.exists(self._k(k)) for k in keys])
-        except BackendError:
-            return [False] * len(keys)  # an unreachable tier holds nothing we can use
-        return [bool(n) for n in got]
+        got = await self._per_key(keys, lambda p, k: p.exists(k)) if keys else []
+        return [v is not FAILED and bool(v) for v in got]  # an unreachable node holds nothing we can use
 
     async def read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:
         if not keys:
             return []
-        try:
-            values = await self._pipeline(lambda p: [p.get(self._k(k)) for k in keys])
-        except BackendError:
-            self._counts["misses"] += len(keys)
-            return [False] * len(keys)
+        values = await self._per_key(keys, lambda p, k: p.get(k))
+        found = [v is not None and v is not FAILED for v in values]
         for i, value in enumerate(values):
-            if value is not None:
+            if found[i]:
                 sink(i, memoryview(value))
-        hits = sum(v is not None for v in values)
-        self._counts.update(reads=hits, misses=len(keys) - hits)
-        return [v is not None for v in values]
+        self._counts.update(reads=sum(found), misses=len(keys) - sum(found))
+        return found
 
     async def put(self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]) -> None:
         if not keys:
             return
-        await self._pipeline(
-            lambda p: [p.set(self._k(k), bytes(v), ex=self.ttl_seconds) for k, v in zip(keys, values, strict=True)]
-        )
-        self._counts["writes"] += len(keys)
+        data = dict(zip(keys, values, strict=True))
+        got = await self._per_key(keys, lambda p, k: p.set(k, bytes(data[k[len(self.prefix) :]]), ex=self.ttl_seconds))
+        failed = sum(v is FAILED for v in got)
+        self._counts["writes"] += len(keys) - failed
+        if failed:
+            raise BackendError(f"redis put failed for {failed} of {len(keys)} chunks")
 
     async def delete(self, keys: Sequence[str]) -> None:
         if keys:
-            await self._pipeline(lambda p: [p.delete(self._k(k)) for k in keys])
+            got = await self._per_key(keys, lambda p, k: p.delete(k))
+            if any(v is FAILED for v in got):
+                raise BackendError("redis delete failed")
             self._counts["deletes"] += len(keys)
 
     async def touch(self, keys: Sequence[str]) -> list[bool]:
         """TOUCH resets each key's idle time (EXISTS does not); a failure raises, since a snapshot
         that cannot confirm a chunk in the shared store must write it again or fail."""
-        if not keys:
-            return []
-        return [bool(n) for n in await self._pipeline(lambda p: [p.touch(self._k(k)) for k in keys])]
+        got = await self._per_key(keys, lambda p, k: p.touch(k)) if keys else []
+        if any(v is FAILED for v in got):
+            raise BackendError("redis touch failed")
+        return [bool(n) for n in got]
 
     async def delete_idle(self, keys: Sequence[str], idle_seconds: float) -> list[str]:
-        if not keys:
-            return []
         idle = str(int(idle_seconds))
-        got = await self._pipeline(lambda p: [p.eval(_DELETE_IF_IDLE, 1, self._k(k), idle) for k in keys])
-        deleted = [k for k, n in zip(keys, got) if int(n)]
+        got = await self._per_key(keys, lambda p, k: p.eval(_DELETE_IF_IDLE, 1, k, idle)) if keys else []
+        deleted = [k for k, n in zip(keys, got) if n is not FAILED and int(n)]
         self._counts["deletes"] += len(deleted)
         return deleted
 
@@ -186,12 +227,8 @@ class RedisBackend(Backend):
             raise BackendError(f"redis scan failed: {type(exc).__name__}: {exc}") from exc
 
     async def sizes(self, keys: Sequence[str]) -> list[int]:
-        if not keys:
-            return []
-        try:
-            return [int(n) for n in await self._pipeline(lambda p: [p.strlen(self._k(k)) for k in keys])]
-        except BackendError:
-            return [0] * len(keys)
+        got = await self._per_key(keys, lambda p, k: p.strlen(k)) if keys else []
+        return [0 if n is FAILED else int(n) for n in got]
 
     async def stats(self) -> BackendStats:
         """Counts and value bytes under this backend's prefix (a SCAN: for admin, not hot paths)."""

@@ -128,7 +128,13 @@ async def test_killing_a_cluster_node_gives_correct_kv_or_clean_misses(tmp_path:
         async with StateStore.open(tmp_path / "writer", SPEC4, tiers=tiers, chunk_tokens=64) as w:
             for tokens, kv in prefixes:
                 await w.put_prefix(tokens, kv)
-        cluster.nodes[1].stop()  # a third of the slots is gone, no replicas
+        import redis as sync_redis
+        from redis.crc import key_slot
+
+        dead = cluster.nodes[1]
+        ranges = sync_redis.Redis(port=dead.port).execute_command("CLUSTER", "SLOTS")
+        dead_slots = {s for r in ranges if int(r[2][1]) == dead.port for s in range(int(r[0]), int(r[1]) + 1)}
+        dead.stop()  # a third of the slots is gone, no replicas
         async with StateStore.open(tmp_path / "reader", SPEC4, tiers=tiers, chunk_tokens=64) as r:
             remote = r.manager.tier("redis").backend
             loaded = []
@@ -138,6 +144,10 @@ async def test_killing_a_cluster_node_gives_correct_kv_or_clean_misses(tmp_path:
                 assert n % 64 == 0 and bits_equal(into[:, :, :n], kv[:, :, :n])
                 assert not into[:, :, n:].view(torch.uint8).any()  # nothing wrong past the prefix
                 loaded.append(n)
-            assert (await remote.stats()).errors >= 1 and remote.breaker.trips >= 1  # type: ignore[attr-defined]
+                # Per-node pipelines: chunks on the live nodes are served; the prefix ends at the first dead one.
+                alive = [key_slot(f"agentstate:{k}".encode()) not in dead_slots for k in r._keys(tokens)]
+                assert n == 64 * (alive.index(False) if False in alive else len(alive))
+            assert sum(loaded) > 0
+            assert (await remote.stats()).errors >= 1 and remote.trips >= 1  # type: ignore[attr-defined]
     finally:
         cluster.stop()
