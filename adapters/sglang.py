@@ -1,0 +1,327 @@
+"""SGLang HiCache L3 storage on an agentstate store, loaded by SGLang's own backend factory::
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{"backend_name": "agentstate",
+      "module_path": "agentstate.adapters.sglang", "class_name": "AgentStateStorage", "interface_v1": 1,
+      "path": "/data/kv", "tiers": [{"kind": "host", "capacity_bytes": 8589934592}, {"kind": "lmdb"}]}'
+
+Adapter keys: `path`, `model_id`, `revision`, `timeout_s`; any other non-SGLang key is a `StoreConfig`
+field. Each rank has its own data directory below `path` (one process writes an LMDB at a time);
+ranks and hosts share pages only through a remote tier, which is why keys carry the rank.
+
+SGLang calls from its prefetch, backup and scheduler threads, and an exception out of a call
+silently kills the prefetch thread: every call reaches the asyncio store through one private loop
+and answers per page (False / None / 0 hits, logged and counted), never raising. Construction and
+pool registration do raise typed errors (startup, inside SGLang's attach rollback).
+
+A page is one codec value (checksummed: corruption is a detected miss), stored canonical
+`[layers, planes, page_size, heads, dim]` under `p/<fingerprint>/<page size>/<shard>/<key>`. The
+fingerprint covers model, revision, dtype, layers, heads, head dim, TP rank/size (SGLang's own keys
+leave dtype out; MLA KV is replicated, so it has no rank); the shard covers PP, attention CP and
+the pool's format tag.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar, cast
+
+import torch
+from agentstate.adapters.sglang_pages import (
+    AdapterSettings,
+    LoopThread,
+    PageLayout,
+    PagesTarget,
+    adopt,
+    encode_page,
+    never_raises,
+    size_of,
+    valid_key,
+)  # fmt: skip
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, PoolTransferResult
+
+from agentstate.config import StoreConfig
+from agentstate.errors import AgentStateError, BackendError, InvalidArgumentError
+from agentstate.spec import ModelSpec
+from agentstate.store import StateStore
+from agentstate.transfer import Transfer
+
+log = logging.getLogger("agentstate.adapters.sglang")
+PAGE_PREFIX = "p/"
+T = TypeVar("T")
+
+
+class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
+    """A HiCacheStorage over a StateStore's tiers (default: host DRAM over LMDB)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        self.storage_config = storage_config
+        self.settings, self._overrides = AdapterSettings.split(dict(storage_config.extra_config or {}))
+        if storage_config.dcp_size > 1 or storage_config.should_split_heads:
+            raise InvalidArgumentError("decode-context-parallel and split-head storage are not supported")
+        self.counts: Counter[str] = Counter()
+        self._count_lock = threading.Lock()
+        self._loop = LoopThread("agentstate-sglang")
+        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentstate-sglang")
+        self.store: StateStore | None = None
+        self.layout: PageLayout | None = None
+        self._transfer: Transfer | None = None
+        self._prefix = ""
+        pool = (kwargs or {}).get("mem_pool_host")
+        if pool is not None:
+            self.register_mem_pool_host(pool)
+
+    # -- setup (raises: startup, inside SGLang's attach rollback) -------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Open the store for this pool: the fingerprint needs its dtype, layers, heads and page size."""
+        super().register_mem_pool_host(mem_pool_host)
+        layout = PageLayout.of(mem_pool_host)
+        sc = self.storage_config
+        model = self.settings.model_id or sc.model_name
+        if not model:
+            raise InvalidArgumentError("no model name: SGLang passes one, or set model_id in the extra config")
+        replicated = bool(sc.is_mla_model)
+        spec = layout.spec(
+            model, self.settings.revision, 0 if replicated else sc.tp_rank, 1 if replicated else sc.tp_size
+        )
+        shard = f"pp{sc.pp_rank}-{sc.pp_size}.cp{sc.attn_cp_rank}-{sc.attn_cp_size}"
+        if tag := getattr(mem_pool_host, "storage_format_tag", None):
+            shard += f".{tag}"
+        config = StoreConfig(**{**self._overrides, "path": self.settings.path / f"tp{sc.tp_rank}-{sc.tp_size}.{shard}"})
+        if self.store is not None:
+            self._run(self.store.close())
+        self.store, self.layout = None, None
+        self._prefix = f"{PAGE_PREFIX}{spec.fingerprint}/{layout.page_size}/{shard}/"
+        self.store = self._loop.run(self._open(config, spec), max(self.settings.timeout_s, 600.0))  # adopts every page
+        self.layout = layout
+
+    async def _open(self, config: StoreConfig, spec: ModelSpec) -> StateStore:
+        store = await StateStore.open(config, spec)
+        try:
+            await adopt(store, self._prefix)
+        except BaseException:
+            await store.close()
+            raise
+        self._transfer = Transfer(
+            spec=spec, manager=store.manager, io=store.io, pool=self._cpu,
+            batch_bytes=config.batch_bytes, promote=config.promote_on_read,
+        )  # fmt: skip
+        return store
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run(coro, self.settings.timeout_s)
+
+    def _count(self, **amounts: int) -> None:
+        with self._count_lock:
+            self.counts.update(amounts)
+
+    def _failed(self, call: str, exc: BaseException) -> None:
+        self._count(errors=1, timeouts=int(isinstance(exc, TimeoutError)))
+        if isinstance(exc, (AgentStateError, TimeoutError)):
+            log.warning("agentstate %s failed: %s", call, exc)
+        else:
+            log.exception("agentstate %s failed", call)
+
+    def _ready(self) -> tuple[StateStore, PageLayout, Transfer]:
+        if self.store is None or self.layout is None or self._transfer is None:
+            raise BackendError("no host pool registered (or the backend is closed)")
+        return self.store, self.layout, self._transfer
+
+    def storage_key(self, key: str) -> str:
+        return self._prefix + key
+
+    def _canonical(self, key: object, page: object) -> torch.Tensor | None:
+        """The canonical view of `page` for `key`, or None (counted) where either is unusable."""
+        _, layout, _ = self._ready()
+        try:
+            if valid_key(key) and isinstance(page, torch.Tensor):
+                return layout.canonical(page)
+        except (InvalidArgumentError, RuntimeError):
+            pass
+        self._count(bad_pages=1)
+        return None
+
+    def _pool_pages(self, keys: Sequence[str], host_indices: Any) -> list[torch.Tensor | None]:
+        """Canonical views of host-pool memory: page i starts at token slot `host_indices[i * page_size]`."""
+        _, layout, _ = self._ready()
+        pool, ps = self.mem_pool_host, layout.page_size
+        indices = torch.as_tensor(host_indices).flatten()
+        if indices.numel() != len(keys) * ps:
+            raise InvalidArgumentError(f"{indices.numel()} host indices for {len(keys)} pages of {ps}")
+        pages: list[torch.Tensor | None] = []
+        for key, start in zip(keys, indices[::ps].tolist()):
+            ok = 0 <= start < int(pool.size) and start % ps == 0
+            pages.append(self._canonical(key, pool.get_data_page(start, flat=False) if ok else None))
+        return pages
+
+    # -- the two data paths --------------------------------------------------------------------
+
+    def _set_pages(self, keys: Sequence[str], pages: Sequence[torch.Tensor | None]) -> list[bool]:
+        """Encode new pages here, in SGLang's thread, straight from pool memory; then store them.
+
+        Encoding before handing over means no read of pool memory outlives the call, even one
+        that times out: SGLang may reuse the pages as soon as it returns.
+        """
+        store, _, _ = self._ready()
+        todo = [i for i, p in enumerate(pages) if p is not None]
+        present = self._run(self._present([self.storage_key(keys[i]) for i in todo]))
+        new = [i for i, hit in zip(todo, present) if not hit]
+        values = [encode_page(cast(torch.Tensor, pages[i]), store.fingerprint) for i in new]
+        ok = [p is not None for p in pages]
+        try:
+            self._run(self._put([self.storage_key(keys[i]) for i in new], values))
+            self._count(pages_set=len(new), pages_present=len(todo) - len(new))
+        except Exception as exc:  # noqa: BLE001 - per page: the new pages fail, the present ones stand
+            self._failed("set", exc)
+            for i in new:
+                ok[i] = False
+        return ok
+
+    def _get_pages(self, keys: Sequence[str], pages: Sequence[torch.Tensor | None]) -> list[bool]:
+        """Read pages straight into their destinations; True only for pages written in full."""
+        _, layout, _ = self._ready()
+        idx = [i for i, p in enumerate(pages) if p is not None]
+        target = PagesTarget([cast(torch.Tensor, pages[i]) for i in idx], layout.page_size)
+        try:
+            self._run(self._get([self.storage_key(keys[i]) for i in idx], target))
+        except Exception as exc:  # noqa: BLE001 - per page: what was written in full still counts
+            self._failed("get", exc)
+        finally:
+            written = target.close()
+        ok = [False] * len(keys)
+        for j, i in enumerate(idx):
+            ok[i] = j in written
+        self._count(pages_read=sum(ok), page_misses=len(idx) - sum(ok))
+        return ok
+
+    async def _present(self, keys: list[str]) -> list[bool]:
+        store, _, _ = self._ready()
+        unknown = [k for k in keys if not store.index.tiers_of(k)]
+        if unknown:
+            await store.manager.discover(unknown)  # remote tiers: pages other hosts or ranks stored
+        return [bool(store.index.tiers_of(k)) for k in keys]
+
+    async def _put(self, keys: list[str], values: list[Any]) -> None:
+        store, _, _ = self._ready()
+        store.index.pin(keys)
+        try:
+            new = [i for i, k in enumerate(keys) if not store.index.tiers_of(k)]
+            if new:
+                await store.manager.store([keys[i] for i in new], [values[i] for i in new], durable=False)
+        finally:
+            store.index.unpin(keys)
+
+    async def _get(self, keys: list[str], target: PagesTarget) -> list[bool]:
+        store, layout, transfer = self._ready()
+        await self._present(keys)
+        store.index.pin(keys)
+        try:
+            return await transfer.read(
+                keys, [(i * layout.page_size, layout.page_size) for i in range(len(keys))], target
+            )
+        finally:
+            store.index.unpin(keys)
+
+    # -- HiCacheStorage ------------------------------------------------------------------------
+
+    @never_raises(lambda keys, *_, **__: [False] * size_of(keys))
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Zero-copy write: each value is encoded straight from the pool page it names."""
+        return self._set_pages(keys, self._pool_pages(keys, host_indices))
+
+    @never_raises(lambda keys, *_, **__: [False] * size_of(keys))
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Zero-copy read: each checked page is copied once, from the tier straight into pool memory."""
+        return self._get_pages(keys, self._pool_pages(keys, host_indices))
+
+    @never_raises(lambda keys, *_, **__: 0)
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many leading keys are stored (the prefix SGLang may prefetch)."""
+        keys = list(keys)
+        n = next((i for i, k in enumerate(keys) if not valid_key(k)), len(keys))
+        present = self._run(self._present([self.storage_key(k) for k in keys[:n]])) if n else []
+        return next((i for i, hit in enumerate(present) if not hit), n)
+
+    @never_raises(lambda *_, **__: False)
+    def exists(self, key: str) -> bool:
+        return bool(self.batch_exists([key]) == 1)
+
+    @never_raises(lambda keys, *_, **__: [None] * size_of(keys))
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        """Generic read into flat pages (`get_dummy_flat_data_page()`); a page is allocated where none is given."""
+        _, layout, _ = self._ready()
+        given = list(target_locations) if target_locations is not None else [None] * len(keys)
+        targets = [t if t is not None else torch.empty(layout.numel, dtype=layout.dtype) for t in given]
+        ok = self._get_pages(keys, [self._canonical(k, t) for k, t in zip(keys, targets, strict=True)])
+        return [t if good else None for t, good in zip(targets, ok)]
+
+    @never_raises(lambda *_, **__: None)
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    @never_raises(lambda *_, **__: False)
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        """Generic write of flat pages (`get_data_page(i)`); True only if every page is stored."""
+        pages = [self._canonical(k, v) for k, v in zip(keys, values, strict=True)]
+        return all(self._set_pages(keys, pages))
+
+    @never_raises(lambda *_, **__: False)
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return bool(self.batch_set([key], [value]))
+
+    # v2 (hybrid pools: Mamba, SWA, indexer sidecars) is not stored here: no hits, nothing written.
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        return PoolTransferResult.empty()
+
+    @never_raises(lambda *_, **__: {})
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        return {str(t.name): [False] * size_of(t.keys or []) for t in transfers or []}
+
+    @never_raises(lambda *_, **__: {})
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        return self.batch_get_v2(transfers, extra_info)
+
+    @never_raises(lambda *_, **__: False)
+    def clear(self) -> bool:
+        """Delete every page of this backend's fingerprint and shard, from every tier."""
+        return bool(self._run(self._clear()))
+
+    async def _clear(self) -> bool:
+        store, _, _ = self._ready()
+        for tier in store.manager.tiers:
+            keys = [k async for k in tier.backend.keys(self._prefix)]
+            await store.manager.delete(keys, [tier])
+        return True
+
+    def counters(self) -> dict[str, int]:
+        """This backend's counts (pages set/read/missing, bad pages, errors) and the transfer's (corrupt)."""
+        with self._count_lock:
+            out = dict(self.counts)
+        if self._transfer is not None and not self._loop.closed:
+            out.update(self._run(self._transfer_counts()))
+        return out
+
+    async def _transfer_counts(self) -> dict[str, int]:
+        return dict(self._transfer.counts) if self._transfer is not None else {}
+
+    def close(self) -> None:
+        """Flush background promotions, close the store's tiers, stop the loop. Idempotent; never raises."""
+        try:
+            if self.store is not None and not self._loop.closed:
+                self._run(self.store.close())
+        except Exception as exc:  # noqa: BLE001 - close runs in SGLang's detach, and must stop the loop
+            self._failed("close", exc)
+        finally:
+            self.store, self.layout, self._transfer = None, None, None
+            self._loop.stop()
+            self._cpu.shutdown(wait=True)

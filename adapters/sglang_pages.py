@@ -1,0 +1,239 @@
+"""Helpers of the SGLang HiCache adapter: settings, page layouts, the page target, the loop thread.
+
+Kept apart from `agentstate.adapters.sglang` so that the parts that need no SGLang import (and
+are the ones worth reading first) stay small: how an engine page becomes canonical KV, and how
+threaded callers reach one asyncio store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import mmap
+import re
+import threading
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentstate import codec
+from agentstate.errors import BackendError, InvalidArgumentError
+from agentstate.memory import host_buffer
+from agentstate.spec import DTYPE_NAMES, ModelSpec
+from agentstate.target import KVTarget
+
+if TYPE_CHECKING:
+    from agentstate.store import StateStore
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
+"""Keys of SGLang's dynamic-backend extra config that belong to SGLang, not to the store."""
+_KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@-]{0,255}")
+
+
+class AdapterSettings(BaseModel):
+    """The adapter's own keys of `--hicache-storage-backend-extra-config`; all other keys
+    (`tiers`, `host_capacity_bytes`, `write_policy`, ...) go to `StoreConfig` unchanged."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: Path = Field(default=Path("agentstate-hicache"), description="data root; one directory per rank below it")
+    model_id: str | None = Field(default=None, description="overrides SGLang's model name in the fingerprint")
+    revision: str = "main"
+    timeout_s: float = Field(default=60.0, gt=0, description="longest one SGLang call waits for the store")
+
+    @classmethod
+    def split(cls, extra: dict[str, Any]) -> tuple[AdapterSettings, dict[str, Any]]:
+        """(adapter settings, StoreConfig overrides) from SGLang's extra config dict."""
+        own = {k: v for k, v in extra.items() if k in cls.model_fields}
+        rest = {k: v for k, v in extra.items() if k not in cls.model_fields and k not in SGLANG_KEYS}
+        return cls(**own), rest
+
+
+def size_of(items: object) -> int:
+    try:
+        return len(items)  # type: ignore[arg-type]
+    except TypeError:
+        return 0
+
+
+def never_raises(fallback: Callable[..., Any]) -> Callable[[F], F]:
+    """Turn any exception of an SGLang-facing method into `self._failed(...)` and a `fallback(*args)` answer."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the point: nothing may escape into SGLang's threads
+                self._failed(fn.__name__, exc)
+                return fallback(*args, **kwargs)
+
+        return cast(F, guarded)
+
+    return wrap
+
+
+async def adopt(store: StateStore, prefix: str) -> None:
+    """Index the pages the store's local durable tiers already hold (it indexes only its own chunks)."""
+    found: dict[str, list[str]] = {}
+    for tier in store.manager.tiers:
+        if tier.backend.durable and not tier.backend.remote:
+            found[tier.name] = [k async for k in tier.backend.keys(prefix)]
+    await store.manager.adopt_existing(found)
+
+
+def encode_page(page: torch.Tensor, fingerprint: str) -> bytearray | mmap.mmap:
+    """One canonical page as a codec value; the encode is the one copy out of pool memory."""
+    return codec.encode(page, fingerprint, host_buffer(codec.encoded_size(page.numel() * page.element_size())))
+
+
+def valid_key(key: object) -> bool:
+    """SGLang page keys are hex hashes (plus dotted suffixes); anything else is refused, never stored."""
+    return isinstance(key, str) and _KEY_RE.fullmatch(key) is not None
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """How one page of a host pool is canonical KV `[layers, planes, page_size, heads, dim]`.
+
+    `page.view(shape).permute(perm)` is canonical for a page as the pool hands it out, both the
+    non-flat view `get_data_page(i, flat=False)` (pool memory itself) and the flat page of the
+    generic interface (same element order). Only views, never copies: a restore that writes
+    into the canonical view writes the pool. Stored pages are canonical, so a page stored from a
+    `page_first` pool loads into a `layer_first` one.
+    """
+
+    layout: str
+    page_size: int
+    planes: int
+    heads: int
+    dim: int
+    layers: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    perm: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.layers * self.planes * self.page_size * self.heads * self.dim
+
+    def canonical(self, page: torch.Tensor) -> torch.Tensor:
+        if page.dtype != self.dtype or page.numel() != self.numel:
+            raise InvalidArgumentError(
+                f"page of {page.dtype} x {page.numel()} is not one {self.dtype} x {self.numel} page"
+            )
+        return page.view(self.shape).permute(self.perm)
+
+    @classmethod
+    def of(cls, pool: Any) -> PageLayout:
+        """The layout of an SGLang host pool (MHA: 4 layouts; MLA: 3), from its public attributes."""
+        layers, ps, layout = int(pool.layer_num), int(pool.page_size), str(pool.layout)
+        if hasattr(pool, "kv_cache_dim"):  # MLA: one latent plane, one "head"
+            planes, heads, dim = 1, 1, int(pool.kv_cache_dim)
+            table = {
+                "layer_first": ((layers, 1, ps, 1, dim), (0, 1, 2, 3, 4)),
+                "page_first": ((1, ps, layers, 1, dim), (2, 0, 1, 3, 4)),
+                "page_first_direct": ((layers, 1, ps, 1, dim), (0, 1, 2, 3, 4)),
+            }
+        elif hasattr(pool, "head_num") and getattr(pool, "v_head_dim", pool.head_dim) == pool.head_dim:
+            planes, heads, dim = 2, int(pool.head_num), int(pool.head_dim)
+            table = {
+                "layer_first": ((2, layers, ps, heads, dim), (1, 0, 2, 3, 4)),
+                "page_first": ((2, ps, layers, heads, dim), (2, 0, 1, 3, 4)),
+                "page_first_direct": ((2, layers, ps, heads, dim), (1, 0, 2, 3, 4)),
+                "page_head": ((2, heads, ps, layers, dim), (3, 0, 2, 1, 4)),
+            }
+        else:
+            raise InvalidArgumentError(f"host pool {type(pool).__name__} is neither MHA (K and V of one width) nor MLA")
+        if layout not in table:
+            raise InvalidArgumentError(f"host pool layout {layout!r} is not supported (supported: {sorted(table)})")
+        shape, perm = table[layout]
+        return cls(layout, ps, planes, heads, dim, layers, pool.dtype, shape, perm)
+
+    def spec(self, model_id: str, revision: str, tp_rank: int, tp_size: int) -> ModelSpec:
+        if self.dtype not in DTYPE_NAMES:
+            raise InvalidArgumentError(
+                f"host pool dtype {self.dtype} cannot be stored (supported: {sorted(DTYPE_NAMES.values())})"
+            )
+        return ModelSpec(
+            model_id=model_id, revision=revision, dtype=DTYPE_NAMES[self.dtype], num_layers=self.layers,
+            kv_planes=self.planes, num_kv_heads=self.heads, head_dim=self.dim, tp_rank=tp_rank, tp_size=tp_size,
+        )  # fmt: skip
+
+
+class PagesTarget(KVTarget):
+    """Restored pages land straight in host-pool memory: chunk `i` of a read is page `pages[i]`.
+
+    After `close()` returns nothing writes into the pool any more: a call that timed out hands
+    its pages back to SGLang, which may reuse them at once, while reads may still be running.
+    """
+
+    def __init__(self, pages: list[torch.Tensor], page_size: int) -> None:
+        self.pages = pages
+        self.page_size = page_size
+        self.num_tokens = len(pages) * page_size
+        self.device = torch.device("cpu")
+        self.done: set[int] = set()
+        self._cond = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    def _copy(self, start: int, src: torch.Tensor) -> None:
+        with self._cond:
+            if self._closed:
+                return  # not an error: raising would make the transfer drop a good page as corrupt
+            self._active += 1
+        copied = False
+        try:
+            self.pages[start // self.page_size].copy_(src)
+            copied = True
+        finally:
+            with self._cond:
+                self._active -= 1
+                if copied:
+                    self.done.add(start // self.page_size)
+                self._cond.notify_all()
+
+    def close(self) -> set[int]:
+        """Refuse further copies, wait for those under way; which pages were written in full."""
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: self._active == 0)
+            return set(self.done)
+
+
+class LoopThread:
+    """One private asyncio loop in a daemon thread: the sync facade SGLang's worker threads call."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        self.closed = False
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run `coro` on the loop; raises TimeoutError (after cancelling it) past `timeout` seconds."""
+        if self.closed or threading.current_thread() is self._thread:
+            coro.close()
+            raise BackendError("the agentstate loop is closed (or called from itself)")
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"agentstate call took longer than {timeout} s") from None
+
+    def stop(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
