@@ -1,0 +1,269 @@
+"""`AsyncClient`: what an agent framework or a remote engine calls to reach `agentstate serve`.
+
+    async with AsyncClient("http://127.0.0.1:8000", token) as client:
+        await client.snapshot("agent-42", tokens, kv, {"messages": [...]})
+        r = await client.resume("agent-42")        # ResumeResult, r.kv bit-exact
+
+Same models as the service (`agentstate.wire`, `agentstate.manifest`); KV travels as binary
+frames, never JSON numbers or pickle. Error responses are raised as the `agentstate.errors` type
+their code names (SessionNotFoundError, SpecMismatchError, ConflictError, ...).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import httpx
+import torch
+from pydantic import BaseModel, ValidationError
+from typing_extensions import Self
+
+from agentstate.errors import AgentStateError, BackendError, CorruptDataError, NotFoundError
+from agentstate.keys import token_array, validate_id
+from agentstate.manifest import ResumeResult, SessionManifest
+from agentstate.spec import DTYPE_NAMES, ModelSpec
+from agentstate.wire import (
+    CHUNK_TYPE,
+    FRAME_TYPE,
+    ChunkMatch,
+    ChunkStored,
+    KVHeader,
+    LoadHeader,
+    PrefixHeader,
+    PrefixStored,
+    ResumeHeader,
+    SessionInfo,
+    SnapshotHeader,
+    SpecInfo,
+    TenantStats,
+    checksum,
+    error_from,
+    frame_prefix,
+    kv_from,
+    kv_payload,
+    split_frame,
+)
+
+M = TypeVar("M", bound=BaseModel)
+H = TypeVar("H", bound=KVHeader)
+_STEP = 1 << 20
+_MAX_HEADER = 1 << 30
+
+
+class RemoteResumeResult(ResumeResult):
+    """A ResumeResult whose `kv` is always a CPU tensor, the restored tokens' KV as received."""
+
+    kv: torch.Tensor
+
+
+class AsyncClient:
+    """One connection pool to one service, as one tenant (the token's).
+
+    `spec` is the model the caller's KV is for: its fingerprint goes with every upload and the
+    service refuses KV of another spec (SpecMismatchError). Without it the service's own spec is
+    used (fetched once), and uploads are still checked locally for its dtype and shape.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        spec: ModelSpec | None = None,
+        timeout: float | httpx.Timeout = 60.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        headers = {"authorization": f"Bearer {token}"}
+        self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, transport=transport)
+        self._spec = spec
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            response = await self._http.request(method, path, **kw)
+        except httpx.TransportError as exc:
+            raise BackendError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+        if response.is_error:
+            raise _error(response)
+        return response
+
+    async def _json(self, model: type[M], method: str, path: str, **kw: Any) -> M:
+        return _parse(model, (await self._call(method, path, **kw)).content)
+
+    async def _frame(self, header_type: type[H], path: str, **kw: Any) -> tuple[H, torch.Tensor]:
+        """POST, and read the frame it answers straight into one buffer the returned tensor owns."""
+        try:
+            async with self._http.stream("POST", path, **kw) as response:
+                if response.is_error:
+                    await response.aread()
+                    raise _error(response)
+                buf = await _body(response)
+        except httpx.TransportError as exc:
+            raise BackendError(f"POST {path}: {type(exc).__name__}: {exc}") from exc
+        try:
+            head, payload = split_frame(buf, _MAX_HEADER)
+            header = _parse(header_type, head)
+            return header, kv_from(header, payload)
+        except AgentStateError as exc:
+            raise CorruptDataError(f"{path}: response frame failed its checks: {exc}") from None
+
+    async def _upload(self, path: str, header: KVHeader, kv: torch.Tensor) -> httpx.Response:
+        payload = kv_payload(kv)
+        header.xxh3 = checksum(payload)
+        prefix = frame_prefix(header)
+
+        async def body() -> AsyncIterator[Any]:  # memoryview slices: the KV is not copied
+            yield prefix
+            for i in range(0, len(payload), _STEP):
+                yield payload[i : i + _STEP]
+
+        headers = {"content-type": FRAME_TYPE, "content-length": str(len(prefix) + len(payload))}
+        return await self._call("POST", path, content=body(), headers=headers)
+
+    async def _kv_header(self, kv: torch.Tensor, tokens: int) -> dict[str, Any]:
+        spec = await self.spec()
+        spec.check_kv(kv, tokens)
+        return {"fingerprint": spec.fingerprint, "dtype": DTYPE_NAMES[kv.dtype], "shape": list(kv.shape)}
+
+    async def spec(self) -> ModelSpec:
+        """The caller's spec, or else the service's."""
+        if self._spec is None:
+            self._spec = (await self.service_spec()).spec
+        return self._spec
+
+    async def service_spec(self) -> SpecInfo:
+        return await self._json(SpecInfo, "GET", "/v1/spec")
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    async def snapshot(
+        self,
+        session_id: str,
+        tokens: Sequence[int] | torch.Tensor,
+        kv: torch.Tensor,
+        state: dict[str, Any] | None = None,
+        *,
+        ttl_seconds: float | None = None,
+        pinned: bool = False,
+        expected_version: int | None = None,
+        force: bool = False,
+    ) -> SessionInfo:
+        """Durably store a new version of the session (see StateStore.snapshot)."""
+        toks = token_array(tokens).tolist()
+        header = SnapshotHeader(
+            **await self._kv_header(kv, len(toks)), tokens=toks, state=state or {}, ttl_seconds=ttl_seconds,
+            pinned=pinned, expected_version=expected_version, force=force,
+        )  # fmt: skip
+        return _parse(SessionInfo, (await self._upload(_session(session_id, "/snapshot"), header, kv)).content)
+
+    async def resume(self, session_id: str) -> RemoteResumeResult:
+        """The session's manifest and KV (`kv` holds its first `restored_tokens` tokens, bit-exact)."""
+        header, kv = await self._frame(ResumeHeader, _session(session_id, "/resume"))
+        return RemoteResumeResult(manifest=header.manifest, kv=kv, restored_tokens=header.restored_tokens)
+
+    async def fork(self, source_id: str, new_id: str) -> SessionInfo:
+        body = {"new_id": validate_id(new_id)}
+        return await self._json(SessionInfo, "POST", _session(source_id, "/fork"), json=body)
+
+    async def delete(self, session_id: str) -> None:
+        await self._call("DELETE", _session(session_id))
+
+    async def get(self, session_id: str) -> SessionManifest:
+        return await self._json(SessionManifest, "GET", _session(session_id))
+
+    async def list(self) -> builtins.list[SessionInfo]:
+        response = await self._call("GET", "/v1/sessions")
+        try:
+            return [SessionInfo.model_validate(item) for item in response.json()]
+        except (ValueError, ValidationError) as exc:
+            raise CorruptDataError(f"/v1/sessions: unexpected response: {exc}") from None
+
+    async def stats(self) -> TenantStats:
+        return await self._json(TenantStats, "GET", "/v1/stats")
+
+    # -- data plane ----------------------------------------------------------------------------
+
+    async def match(self, tokens: Sequence[int] | torch.Tensor) -> ChunkMatch:
+        """How much of `tokens` is cached for this tenant, with a chunk handle per full chunk."""
+        return await self._json(ChunkMatch, "POST", "/v1/match", json={"tokens": token_array(tokens).tolist()})
+
+    async def put_prefix(self, tokens: Sequence[int] | torch.Tensor, kv: torch.Tensor) -> int:
+        """Store a shared prefix; returns how many tokens were newly stored."""
+        toks = token_array(tokens).tolist()
+        header = PrefixHeader(**await self._kv_header(kv, len(toks)), tokens=toks)
+        return _parse(PrefixStored, (await self._upload("/v1/prefixes", header, kv)).content).stored_tokens
+
+    async def load(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """KV of the cached prefix of `tokens` (whole chunks; its token dim says how many)."""
+        _, kv = await self._frame(LoadHeader, "/v1/prefixes/load", json={"tokens": token_array(tokens).tolist()})
+        return kv
+
+    async def has_chunk(self, handle: str) -> bool:
+        response = await self._http.head(f"/v1/chunks/{quote(handle, safe='')}")
+        if response.status_code == 404:
+            return False
+        if response.is_error:
+            raise _error(response)
+        return True
+
+    async def get_chunk(self, handle: str) -> bytes | None:
+        """The chunk in the codec format (`agentstate.codec.decode` it), or None when absent."""
+        try:
+            return (await self._call("GET", f"/v1/chunks/{quote(handle, safe='')}")).content
+        except NotFoundError:
+            return None
+
+    async def put_chunk(self, handle: str, chunk: bytes | bytearray | memoryview) -> bool:
+        """Store one codec-encoded chunk; False when the service already held it."""
+        path = f"/v1/chunks/{quote(handle, safe='')}"
+        response = await self._call("PUT", path, content=bytes(chunk), headers={"content-type": CHUNK_TYPE})
+        return _parse(ChunkStored, response.content).stored
+
+
+async def _body(response: httpx.Response) -> bytearray:
+    declared = response.headers.get("content-length")
+    if declared is None or not declared.isdigit():
+        return bytearray(await response.aread())
+    buf, pos = bytearray(int(declared)), 0
+    async for part in response.aiter_raw():
+        if pos + len(part) > len(buf):
+            raise CorruptDataError("response longer than its Content-Length")
+        buf[pos : pos + len(part)] = part
+        pos += len(part)
+    if pos != len(buf):
+        raise CorruptDataError("response shorter than its Content-Length")
+    return buf
+
+
+def _session(session_id: str, suffix: str = "") -> str:
+    """The route of a session; ids are checked here, as the service would, and are URL-safe then."""
+    return f"/v1/sessions/{validate_id(session_id)}{suffix}"
+
+
+def _parse(model: type[M], raw: bytes) -> M:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise CorruptDataError(f"unexpected response for {model.__name__}: {exc}") from None
+
+
+def _error(response: httpx.Response) -> AgentStateError:
+    try:
+        body = response.json()
+        code, detail = body.get("error"), body.get("detail")
+    except (ValueError, AttributeError):
+        code, detail = None, response.text[:500]
+    return error_from(response.status_code, code, detail if detail is not None else response.reason_phrase)

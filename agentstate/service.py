@@ -1,0 +1,281 @@
+"""`agentstate serve`: the session resume service (FastAPI on uvicorn, loopback by default).
+
+One process opens a data directory once and serves every tenant through `StateStore.for_tenant`
+views. A bearer token maps to a tenant; every `/v1` route acts as that tenant only, so another
+tenant's session is 404 exactly like one that never existed (never 403: existence does not
+leak). KV travels as binary frames (`agentstate.wire`), chunks in the codec format
+(`agentstate.dataplane`). Ops routes: `/healthz`, `/metrics` (Prometheus text), `/openapi.json`.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from agentstate.config import StoreConfig
+from agentstate.dataplane import Handles, register
+from agentstate.errors import AgentStateError, InvalidArgumentError
+from agentstate.gate import Gate, Limits, ServiceContext, error_response, frame_response, off_loop, read_body
+from agentstate.manifest import SessionManifest
+from agentstate.metrics import CONTENT_TYPE, Metrics
+from agentstate.spec import ModelSpec
+from agentstate.store import StateStore
+from agentstate.wire import (
+    FRAME_TYPE,
+    ErrorBody,
+    ForkRequest,
+    ResumeHeader,
+    SessionInfo,
+    SnapshotHeader,
+    SpecInfo,
+    TenantStats,
+    kv_from,
+    kv_payload,
+    split_frame,
+)
+
+__all__ = ["Limits", "create_app", "run", "serve"]
+log = logging.getLogger("agentstate.service")
+SPEC_FILE = "spec.json"
+DEMO_SPEC = ModelSpec(model_id="agentstate/demo-llama-8b-shape", num_layers=32, num_kv_heads=8, head_dim=128)
+"""What `run` serves when given no spec and none is recorded: a Llama-3-8B KV shape, for trying it out."""
+_FRAME_BODY = {
+    "requestBody": {"required": True, "content": {FRAME_TYPE: {"schema": {"type": "string", "format": "binary"}}}}
+}
+_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorBody} for s in (401, 404, 409, 413, 422)}
+
+
+def create_app(store: StateStore, tokens: dict[str, str], limits: Limits | None = None) -> FastAPI:
+    """The service over one open store. `tokens` maps bearer token -> tenant."""
+    limits = limits or Limits()
+    ctx = ServiceContext(store, limits)
+    metrics = Metrics()
+    app = FastAPI(
+        title="agentstate", version="0.1.0", summary="Session resume service for LLM KV state", responses=_ERRORS
+    )
+    app.add_middleware(Gate, tokens=tokens, limits=limits, metrics=metrics)
+    _handlers(app)
+    _sessions(app, ctx)
+    register(app, ctx, Handles(limits.secret()))
+
+    @app.get("/healthz", tags=["ops"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok", "fingerprint": store.fingerprint}
+
+    @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
+    async def prometheus() -> Response:
+        """Prometheus text exposition: requests, latencies, the store's tiers and counters."""
+        return Response(metrics.render(await store.stats()), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _handlers(app: FastAPI) -> None:
+    """Every error leaves as `{"error": code, "detail": ...}`; AgentStateError codes come from `wire.ERRORS`."""
+
+    @app.exception_handler(AgentStateError)
+    async def typed(request: Request, exc: AgentStateError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        detail = jsonable_encoder(exc.errors(), exclude={"input", "ctx"})
+        return JSONResponse(ErrorBody(error="validation_error", detail=detail).model_dump(), status_code=422)
+
+    @app.exception_handler(ValidationError)
+    async def invalid_header(request: Request, exc: ValidationError) -> JSONResponse:
+        detail = jsonable_encoder(exc.errors(include_url=False, include_context=False, include_input=False))
+        return JSONResponse(ErrorBody(error="validation_error", detail=detail).model_dump(), status_code=422)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
+        body = ErrorBody(error=code, detail=exc.detail).model_dump()
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+def _sessions(app: FastAPI, ctx: ServiceContext) -> None:
+    Store = Annotated[StateStore, Depends(ctx.tenant_store)]
+    max_header = ctx.limits.max_json_bytes
+
+    @app.get("/v1/spec", response_model=SpecInfo, tags=["sessions"])
+    async def spec(store: Store) -> SpecInfo:
+        """The model spec this service stores KV for (a snapshot must carry its fingerprint)."""
+        return SpecInfo(spec=store.spec, fingerprint=store.fingerprint, chunk_tokens=store.chunk_tokens)
+
+    @app.get("/v1/stats", response_model=TenantStats, tags=["sessions"])
+    async def stats(store: Store) -> TenantStats:
+        """This tenant's sessions (operators see every tier and counter on /metrics)."""
+        found = [m async for m in store.sessions()]
+        return TenantStats(
+            tenant=store.tenant, fingerprint=store.fingerprint, chunk_tokens=store.chunk_tokens,
+            sessions=len(found), session_tokens=sum(m.num_tokens for m in found),
+        )  # fmt: skip
+
+    @app.get("/v1/sessions", response_model=list[SessionInfo], tags=["sessions"])
+    async def list_sessions(store: Store) -> list[SessionInfo]:
+        return sorted([SessionInfo.of(m) async for m in store.sessions()], key=lambda s: s.session_id)
+
+    @app.get("/v1/sessions/{session_id}", response_model=SessionManifest, tags=["sessions"])
+    async def get_session(session_id: str, store: Store) -> SessionManifest:
+        """The manifest: tokens, application state, version, parent, timestamps."""
+        return await store.session(session_id)
+
+    @app.post(
+        "/v1/sessions/{session_id}/snapshot", response_model=SessionInfo, tags=["sessions"], openapi_extra=_FRAME_BODY
+    )
+    async def snapshot(session_id: str, request: Request, store: Store) -> SessionInfo:
+        """Durably store a new version (frame: SnapshotHeader + KV of every token); 409 when
+        `expected_version` is stale. Nothing is stored unless the whole body arrived and its
+        fingerprint, dtype, shape and checksum hold."""
+        head, payload = split_frame(await read_body(request), max_header)
+        header = SnapshotHeader.model_validate_json(head)
+        kv = await off_loop(kv_from, header, payload, store.spec)
+        manifest = await store.snapshot(
+            session_id, header.tokens, kv, header.state, ttl_seconds=header.ttl_seconds, pinned=header.pinned,
+            expected_version=header.expected_version, force=header.force,
+        )  # fmt: skip
+        return SessionInfo.of(manifest)
+
+    @app.post("/v1/sessions/{session_id}/resume", tags=["sessions"], responses={200: {"content": {FRAME_TYPE: {}}}})
+    async def resume(session_id: str, store: Store) -> Response:
+        """The session as a frame: ResumeHeader (manifest, restored_tokens) + KV of the restored tokens."""
+        result = await store.resume(session_id)
+        assert result.kv is not None  # no `into`: the store allocates the tensor
+        header = ResumeHeader(
+            fingerprint=store.fingerprint, dtype=store.spec.dtype, shape=list(result.kv.shape),
+            manifest=result.manifest, restored_tokens=result.restored_tokens,
+        )  # fmt: skip
+        return await frame_response(header, kv_payload(result.kv))
+
+    @app.post("/v1/sessions/{session_id}/fork", response_model=SessionInfo, status_code=201, tags=["sessions"])
+    async def fork(session_id: str, req: ForkRequest, store: Store) -> SessionInfo:
+        """A new session sharing every chunk of this one; 409 if `new_id` exists."""
+        return SessionInfo.of(await store.fork(session_id, req.new_id))
+
+    @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"])
+    async def delete(session_id: str, store: Store) -> Response:
+        await store.delete(session_id)
+        return Response(status_code=204)
+
+
+# -- running it -----------------------------------------------------------------------------------
+
+
+async def serve(
+    config: StoreConfig,
+    spec: ModelSpec,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    tokens: dict[str, str],
+    limits: Limits | None = None,
+) -> None:
+    """Open the store and serve it until SIGINT/SIGTERM; then finish requests in flight, close the
+    store, and return (uvicorn re-raises the signal when it stops, which would end the process
+    before the store is closed: here that re-raise is caught)."""
+    import uvicorn
+
+    async with StateStore.open(config, spec) as store:
+        app = create_app(store, tokens, limits)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, lifespan="off", log_level="info"))
+        log.info(
+            "serving %s (spec %s) on http://%s:%d, %d tokens", config.path, spec.fingerprint, host, port, len(tokens)
+        )
+        with _signals_caught():
+            await server.serve()
+        log.info("stopped serving %s; closing the store", config.path)
+
+
+@contextlib.contextmanager
+def _signals_caught() -> Iterator[list[int]]:
+    caught: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
+    previous = {sig: signal.signal(sig, lambda s, _: caught.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield caught
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run(
+    path: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    tokens_file: Path | None = None,
+    spec: ModelSpec | None = None,
+) -> None:
+    """Blocking entry point of `agentstate serve`: serves until SIGINT/SIGTERM, then returns
+    once requests in flight are answered and the store is closed.
+
+    - tokens: `tokens_file`, a JSON object {"<bearer token>": "<tenant>"}; else the same JSON
+      object in env `AGENTSTATE_TOKENS`; neither is an error (the service never runs open).
+    - spec: the one given, recorded as `<path>/spec.json` if none is recorded yet; else the one
+      recorded there; else `DEMO_SPEC` (a Llama-3-8B KV shape, bf16), with a warning. Clients
+      see the served spec on `GET /v1/spec`; KV of any other spec is refused with 409.
+    - store: `StoreConfig(path=path)`, so `AGENTSTATE_*` env vars configure tiers and the rest;
+      limits and the chunk-handle secret: `AGENTSTATE_SERVICE_*` (see `Limits`).
+    """
+    asyncio.run(
+        serve(
+            StoreConfig(path=path),
+            resolve_spec(path, spec),
+            host=host,
+            port=port,
+            tokens=load_tokens(tokens_file),
+            limits=Limits(),
+        )
+    )
+
+
+def load_tokens(tokens_file: Path | None) -> dict[str, str]:
+    if tokens_file is not None:
+        source, raw = str(tokens_file), Path(tokens_file).read_text()
+    elif os.environ.get("AGENTSTATE_TOKENS"):
+        source, raw = "AGENTSTATE_TOKENS", os.environ["AGENTSTATE_TOKENS"]
+    else:
+        raise InvalidArgumentError(
+            "no bearer tokens: pass a tokens file or set AGENTSTATE_TOKENS to {token: tenant} JSON"
+        )
+    try:
+        tokens = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{source} is not JSON: {exc}") from None
+    if not isinstance(tokens, dict) or not all(isinstance(v, str) for v in tokens.values()):
+        raise InvalidArgumentError(f"{source} must be a JSON object mapping bearer token to tenant id")
+    return tokens
+
+
+def resolve_spec(path: Path, spec: ModelSpec | None) -> ModelSpec:
+    recorded = Path(path) / SPEC_FILE
+    if spec is not None:
+        if not recorded.exists():
+            recorded.parent.mkdir(parents=True, exist_ok=True)
+            tmp = recorded.with_suffix(".tmp")
+            tmp.write_text(spec.model_dump_json(indent=2))
+            tmp.replace(recorded)
+        return spec
+    if recorded.exists():
+        try:
+            return ModelSpec.model_validate_json(recorded.read_text())
+        except ValidationError as exc:
+            raise InvalidArgumentError(f"{recorded} is not a ModelSpec: {exc}") from None
+    log.warning("no spec given and none recorded in %s: serving the demo spec %s", path, DEMO_SPEC.model_id)
+    return DEMO_SPEC
