@@ -56,3 +56,10 @@ class BackendError(AgentStateError):
     """A storage backend failed (I/O error, closed, unreachable)."""
 
     retryable = True
+
+
+class BackendRefusedError(BackendError):
+    """A storage backend answered and refused the command (a bad request, a read-only replica):
+    the same call would fail again, so it is not retryable. A full remote store is CapacityError."""
+
+    retryable = False

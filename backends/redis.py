@@ -10,7 +10,6 @@ BackendError (retryable); they never leave a partial value, since SET is atomic 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -19,7 +18,7 @@ from typing import Any, TypeVar
 
 from agentstate.backends.base import Backend, BackendStats, ReadSink
 
-from agentstate.errors import BackendError
+from agentstate.errors import AgentStateError, BackendError, BackendRefusedError, CapacityError
 
 log = logging.getLogger("agentstate.backends.redis")
 FAILED = object()  # a key whose call failed (its node was down), as opposed to a miss
@@ -32,6 +31,21 @@ local idle = redis.call('OBJECT', 'IDLETIME', KEYS[1])
 if idle and idle >= tonumber(ARGV[1]) then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+def refusal_of(exc: BaseException) -> AgentStateError | None:
+    """The typed error for an error reply that retrying cannot fix; None for an outage.
+
+    A cluster that is down or resharding (CLUSTERDOWN, TRYAGAIN) is an outage that may heal.
+    """
+    from redis.exceptions import ClusterDownError, ResponseError, TryAgainError
+
+    if not isinstance(exc, ResponseError) or isinstance(exc, ClusterDownError | TryAgainError):
+        return None
+    reason = str(exc.args[-1] if exc.args else exc)[-200:]  # a pipeline's message quotes the value: keep the reason
+    if "OOM" in reason or "maxmemory" in reason:
+        return CapacityError(f"remote store is full: {reason}")
+    return BackendRefusedError(f"redis refused the command: {reason}")
 
 
 class CircuitBreaker:
@@ -74,18 +88,29 @@ class RedisBackend(Backend):
         breaker_threshold: int = 3,
         breaker_cooldown_s: float = 5.0,
         max_in_flight: int = 16,
+        retries: int = 2,
     ) -> None:
         import redis.asyncio as aioredis  # optional dependency: loaded only when this tier is chosen
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
 
         # Chunks are MiB-sized: 1 MiB socket reads (default 64 KiB) take a value in a few reads.
         opts: dict[str, Any] = {
             "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "socket_read_size": 1 << 20,
         }  # fmt: skip
+        # Retries only for what may succeed a moment later (connection drops, timeouts), inside
+        # redis-py; an answer that refuses (an error reply) is never retried. The cluster client
+        # retries those itself, after refreshing its slot map (cluster_error_retry_attempts).
+        if not cluster:
+            opts["retry"] = Retry(ExponentialBackoff(cap=timeout_s / 4, base=0.01), retries)
         if cluster:
             self._client: Any = aioredis.RedisCluster.from_url(url, **opts)
         else:
             self._client = aioredis.Redis.from_url(url, **opts)
-        self._errors = (aioredis.RedisError, OSError, asyncio.TimeoutError)
+        # Exception, not just RedisError: redis-py can fail internally when a node drops mid-write
+        # (e.g. AttributeError on a connection it just closed); for a remote tier that is an outage.
+        self._errors: tuple[type[BaseException], ...] = (Exception,)
+        self._refusal = refusal_of
         self.prefix, self.ttl_seconds, self.timeout_s = prefix, ttl_seconds, timeout_s
         self.cluster = cluster
         self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown_s)
@@ -122,6 +147,11 @@ class RedisBackend(Backend):
             async with self._gate:
                 result = await asyncio.wait_for(op(), self.timeout_s)
         except self._errors as exc:
+            refused = self._refusal(exc)
+            if refused is not None:  # the node is up and answered: not a failure of its health
+                breaker.success()
+                self._counts["refused"] += 1
+                raise refused from exc
             breaker.failure()
             self._counts["errors"] += 1
             log.warning("redis call to %s failed (%s: %s)", node or "server", type(exc).__name__, exc)
@@ -129,24 +159,43 @@ class RedisBackend(Backend):
         breaker.success()
         return result
 
-    async def _pipeline(self, build: Callable[[Any], object], node: str | None = None) -> list[Any]:
+    async def _pipeline(
+        self, build: Callable[[Any], object], node: str | None = None, errors: list[AgentStateError] | None = None
+    ) -> list[Any]:
+        """One pipelined round trip. A command the server refused (an error reply for that key
+        alone) comes back as FAILED, its typed error in `errors`; an outage fails the whole call."""
+
         async def run() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             build(pipe)
-            return list(await pipe.execute())
+            results = list(await pipe.execute(raise_on_error=False))
+            for i, result in enumerate(results):
+                if isinstance(result, BaseException):
+                    if self._refusal(result) is None:
+                        raise result  # an outage: the breaker hears of it
+                    self._counts["refused"] += 1
+                    if errors is not None:
+                        errors.append(self._refusal(result))  # type: ignore[arg-type]
+                    results[i] = FAILED
+            return results
 
         return await self._call(run, node)
 
-    async def _per_key(self, keys: Sequence[str], command: Callable[[Any, str], object]) -> list[Any]:
-        """One command per key, pipelined; a key whose call failed comes back as FAILED.
+    async def _per_key(
+        self, keys: Sequence[str], command: Callable[[Any, str], object], errors: list[AgentStateError] | None = None
+    ) -> list[Any]:
+        """One command per key, pipelined; a key whose call failed comes back as FAILED (and its
+        error is appended to `errors`).
 
         A cluster gets one pipeline per node, all at once, each behind that node's breaker: a dead
         node costs only the keys it holds, and the live nodes keep serving theirs.
         """
+        errors = [] if errors is None else errors
         if not self.cluster:
             try:
-                return await self._pipeline(lambda p: [command(p, self._k(k)) for k in keys])
-            except BackendError:
+                return await self._pipeline(lambda p: [command(p, self._k(k)) for k in keys], None, errors)
+            except AgentStateError as exc:
+                errors.append(exc)
                 return [FAILED] * len(keys)
         groups: dict[str, list[int]] = {}
         try:
@@ -158,10 +207,13 @@ class RedisBackend(Backend):
         out: list[Any] = [FAILED] * len(keys)
 
         async def run(node: str, idx: list[int]) -> None:
-            with contextlib.suppress(BackendError):
-                got = await self._pipeline(lambda p: [command(p, self._k(keys[i])) for i in idx], node)
-                for i, value in zip(idx, got):
-                    out[i] = value
+            try:
+                got = await self._pipeline(lambda p: [command(p, self._k(keys[i])) for i in idx], node, errors)
+            except AgentStateError as exc:
+                errors.append(exc)
+                return
+            for i, value in zip(idx, got):
+                out[i] = value
 
         await asyncio.gather(*(run(node, idx) for node, idx in groups.items()))
         return out
@@ -185,11 +237,13 @@ class RedisBackend(Backend):
         if not keys:
             return
         data = dict(zip(keys, values, strict=True))
-        got = await self._per_key(keys, lambda p, k: p.set(k, bytes(data[k[len(self.prefix) :]]), ex=self.ttl_seconds))
+        errors: list[AgentStateError] = []
+        set_ = lambda p, k: p.set(k, bytes(data[k[len(self.prefix) :]]), ex=self.ttl_seconds)
+        got = await self._per_key(keys, set_, errors)
         failed = sum(v is FAILED for v in got)
         self._counts["writes"] += len(keys) - failed
-        if failed:
-            raise BackendError(f"redis put failed for {failed} of {len(keys)} chunks")
+        if failed:  # the most specific reason: a full store is a CapacityError, not an outage
+            raise next((e for e in errors if isinstance(e, CapacityError)), errors[0])
 
     async def delete(self, keys: Sequence[str]) -> None:
         if keys:

@@ -91,9 +91,10 @@ class RedisCluster:
                        check=True, capture_output=True, timeout=60)  # fmt: skip
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            info = subprocess.run(["redis-cli", "-p", str(self.nodes[0].port), "cluster", "info"],
-                                  capture_output=True, text=True).stdout  # fmt: skip
-            if "cluster_state:ok" in info:
+            # Every node must agree: one that has not heard the slot map yet answers CLUSTERDOWN.
+            infos = [subprocess.run(["redis-cli", "-p", str(n.port), "cluster", "info"],
+                                    capture_output=True, text=True).stdout for n in self.nodes]  # fmt: skip
+            if all("cluster_state:ok" in i and "cluster_slots_ok:16384" in i for i in infos):
                 return self
             time.sleep(0.1)
         raise RuntimeError("redis cluster did not become ready")

@@ -38,6 +38,35 @@ async def test_outage_turns_into_misses_and_the_breaker_opens_then_closes(tmp_pa
         server.stop()
 
 
+async def test_dropped_connections_are_retried_and_refusals_are_typed_not_retried(tmp_path: Path) -> None:
+    import redis.asyncio as aioredis
+
+    from agentstate.errors import CapacityError
+
+    server = RedisServer(tmp_path)
+    server.extra = ["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"]
+    server.start()
+    b = RedisBackend(server.url, timeout_s=2.0, breaker_threshold=1)
+    admin = aioredis.Redis.from_url(server.url)
+    try:
+        value = os.urandom(100_000)
+        await b.put(["c/a"], [value])
+        await admin.client_kill_filter(_type="normal", skipme=True)  # every pooled connection of b is dead
+        got: list[bytes] = []
+        assert await b.read(["c/a"], lambda i, v: got.append(bytes(v))) == [True] and got == [value]
+        assert b.trips == 0  # retried inside the call: no failure seen
+        with pytest.raises(CapacityError) as err:  # OOM reply: the store is full, retrying cannot help
+            await b.put([f"c/big{i}" for i in range(8)], [os.urandom(1 << 20) for _ in range(8)])
+        assert not err.value.retryable and b.trips == 0  # an answer, not an outage
+        await admin.execute_command("LPUSH", "agentstate:c/list", "x")  # a key of the wrong type
+        assert await b.read(["c/list", "c/a"], lambda i, v: None) == [False, True]  # WRONGTYPE: a miss
+        assert (await b.stats()).misses >= 1 and b.trips == 0
+    finally:
+        await b.close()
+        await admin.aclose()
+        server.stop()
+
+
 def test_breaker_needs_consecutive_failures_and_reopens_after_a_failed_probe() -> None:
     now = [0.0]
     br = CircuitBreaker(threshold=3, cooldown_s=10, clock=lambda: now[0])
@@ -144,10 +173,11 @@ async def test_killing_a_cluster_node_gives_correct_kv_or_clean_misses(tmp_path:
                 assert n % 64 == 0 and bits_equal(into[:, :, :n], kv[:, :, :n])
                 assert not into[:, :, n:].view(torch.uint8).any()  # nothing wrong past the prefix
                 loaded.append(n)
-                # Per-node pipelines: chunks on the live nodes are served; the prefix ends at the first dead one.
+                # Never past the first chunk on the dead node. (Not always up to it: while the client
+                # refreshes its slot map it may drop connections to live nodes too.)
                 alive = [key_slot(f"agentstate:{k}".encode()) not in dead_slots for k in r._keys(tokens)]
-                assert n == 64 * (alive.index(False) if False in alive else len(alive))
-            assert sum(loaded) > 0
+                assert n <= 64 * (alive.index(False) if False in alive else len(alive))
+            assert sum(loaded) > 0  # per-node pipelines: the live nodes keep serving their chunks
             assert (await remote.stats()).errors >= 1 and remote.trips >= 1  # type: ignore[attr-defined]
     finally:
         cluster.stop()
