@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentstate.errors import (
     AgentStateError,
     BackendError,
+    BackendRefusedError,
     CapacityError,
     ConflictError,
     CorruptDataError,
@@ -84,6 +85,7 @@ ERRORS: list[tuple[type[AgentStateError], int, str]] = [
     (InvalidArgumentError, 422, "invalid_argument"),
     (CapacityError, 507, "capacity"),
     (CorruptDataError, 500, "corrupt_data"),
+    (BackendRefusedError, 502, "backend_refused"),
     (BackendError, 503, "backend_unavailable"),
     (AgentStateError, 500, "internal"),
 ]

@@ -11,13 +11,14 @@ import torch
 from agentstate import codec
 from agentstate.client import AsyncClient
 from agentstate.errors import (
+    AgentStateError,
     ConflictError,
     InvalidSessionIdError,
     KVShapeError,
     SessionNotFoundError,
     SpecMismatchError,
 )
-from agentstate.wire import ChunkMatch, UnauthorizedError
+from agentstate.wire import ERRORS, ChunkMatch, UnauthorizedError, error_from, status_of
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 from tests.test_service import ALICE, BOB, Served, footprint, served, serving
 
@@ -149,3 +150,11 @@ async def test_sessions_survive_a_server_restart(open_store: Callable[..., Any])
     async with open_store() as store, serving(store) as url, AsyncClient(url, ALICE, spec=SPEC4) as client:
         r = await client.resume("durable")
         assert r.complete and bits_equal(r.kv, kv) and r.state == {"n": 1}
+
+
+@pytest.mark.parametrize("cls", [cls for cls, _, _ in ERRORS])
+def test_every_error_code_comes_back_as_its_class(cls: type[AgentStateError]) -> None:
+    status, code = status_of(cls("x"))
+    back = error_from(status, code, "x")
+    assert type(back) is cls
+    assert back.retryable == cls.retryable  # a refusal (502) is never retried; an outage (503) is
