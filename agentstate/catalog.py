@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import NamedTuple, TypeVar
 
 import lmdb
-from pydantic import ValidationError
 
-from agentstate.errors import BackendError, ConflictError, CorruptDataError
-from agentstate.manifest import SessionManifest
+from agentstate.errors import BackendError, ConflictError
+from agentstate.manifest import SessionManifest, decode_manifest, encode_manifest
 
 _NO_VERSION = 0
 T = TypeVar("T")
@@ -72,10 +71,7 @@ class Catalog:
 
     @staticmethod
     def _parse(raw: bytes | memoryview) -> SessionManifest:
-        try:
-            return SessionManifest.model_validate_json(bytes(raw))
-        except ValidationError as exc:
-            raise CorruptDataError(f"stored manifest does not parse: {exc.error_count()} errors") from None
+        return decode_manifest(raw)
 
     async def get(self, tenant: str, session_id: str) -> SessionManifest | None:
         def run() -> SessionManifest | None:
@@ -107,7 +103,7 @@ class Catalog:
         """Write `manifest` if the stored version is `expected_version` (None: must not exist)."""
 
         key = self._skey(manifest.tenant, manifest.session_id)
-        body = manifest.model_dump_json().encode()
+        body = encode_manifest(manifest)
 
         def run(txn: lmdb.Transaction) -> Committed:
             raw = txn.get(key, db=self._sessions)

@@ -6,9 +6,14 @@ import time
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from agentstate.errors import CorruptDataError
 from agentstate.keys import ChunkKey, TailKey
+
+MANIFEST_MAGIC = b"ASM1"
+_HEAD = len(MANIFEST_MAGIC) + 8
 
 
 def now() -> float:
@@ -85,3 +90,27 @@ class ResumeResult(BaseModel):
     @property
     def complete(self) -> bool:
         return self.restored_tokens == len(self.manifest.tokens)
+
+
+def encode_manifest(manifest: SessionManifest) -> bytes:
+    """Stored form of a manifest: magic, xxh3_64 of the JSON, the JSON.
+
+    The checksum is what makes a damaged manifest a detected error: a flipped digit in a token id
+    or a chunk key still parses as JSON, and would resume a session the engine never saw.
+    """
+    body = manifest.model_dump_json().encode()
+    return MANIFEST_MAGIC + xxhash.xxh3_64_digest(body) + body
+
+
+def decode_manifest(raw: bytes | memoryview) -> SessionManifest:
+    """The manifest in `raw` (from `encode_manifest`), or CorruptDataError; never a partial one."""
+    raw = bytes(raw)
+    if len(raw) < _HEAD or raw[: len(MANIFEST_MAGIC)] != MANIFEST_MAGIC:
+        raise CorruptDataError("stored manifest has no agentstate header")
+    body = raw[_HEAD:]
+    if xxhash.xxh3_64_digest(body) != raw[len(MANIFEST_MAGIC) : _HEAD]:
+        raise CorruptDataError("stored manifest fails its checksum")
+    try:
+        return SessionManifest.model_validate_json(body)
+    except ValidationError as exc:
+        raise CorruptDataError(f"stored manifest does not parse: {exc.error_count()} errors") from None

@@ -21,11 +21,9 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from pydantic import ValidationError
-
 from agentstate.catalog import Committed
-from agentstate.errors import BackendError, ConflictError, CorruptDataError
-from agentstate.manifest import SessionManifest
+from agentstate.errors import BackendError, ConflictError
+from agentstate.manifest import SessionManifest, decode_manifest, encode_manifest
 
 T = TypeVar("T")
 
@@ -70,12 +68,7 @@ class RedisCatalog:
 
     @staticmethod
     def _parse(raw: bytes | None) -> SessionManifest | None:
-        if raw is None:
-            return None
-        try:
-            return SessionManifest.model_validate_json(raw)
-        except ValidationError as exc:
-            raise CorruptDataError(f"stored manifest does not parse: {exc.error_count()} errors") from None
+        return None if raw is None else decode_manifest(raw)
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -110,7 +103,7 @@ class RedisCatalog:
     async def commit(self, manifest: SessionManifest, expected_version: int | None) -> Committed:
         """Write `manifest` if the stored version is `expected_version` (None: must not exist)."""
         key = self._skey(manifest.tenant, manifest.session_id)
-        args = (expected_version or 0, manifest.version, manifest.model_dump_json(), manifest.tail_key or "")
+        args = (expected_version or 0, manifest.version, encode_manifest(manifest), manifest.tail_key or "")
         done, found = await self._call(lambda: self._client.eval(_COMMIT, 1, key, *args))
         if not int(done):
             raise ConflictError(

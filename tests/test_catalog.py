@@ -44,12 +44,36 @@ async def test_map_grows_for_many_large_manifests(tmp_path: Path) -> None:
     await cat.close()
 
 
-async def test_unparsable_manifest_is_a_typed_error(tmp_path: Path) -> None:
+async def test_damaged_manifests_are_typed_errors_and_others_stay_readable(tmp_path: Path) -> None:
+    """A flipped digit still parses as JSON: only the stored checksum tells it from the truth."""
     import lmdb
 
     cat = Catalog(tmp_path / "cat")
-    await cat.commit(manifest("a", 1, []), None)
+    await cat.commit(manifest("a", 1, [], tokens=12), None)
+    await cat.commit(manifest("b", 1, []), None)
     await cat.close()
+    with lmdb.open(str(tmp_path / "cat"), max_dbs=3) as env:
+        db = env.open_db(b"sessions")
+        with env.begin(db=db) as txn:
+            good = bytes(txn.get(b"t/a"))
+    at = good.index(b"11]")  # the last token id: 11 -> 10 is valid JSON and a valid manifest
+    damaged = {
+        "digit": good[:at] + b"10]" + good[at + 3 :],
+        "truncated": good[: len(good) - 7],
+        "bare json": good[12:],
+        "not json": good[:12] + b'{"session_id": 5}',
+        "empty": b"",
+    }
+    for what, raw in damaged.items():
+        with lmdb.open(str(tmp_path / "cat"), max_dbs=3) as env:
+            db = env.open_db(b"sessions")
+            with env.begin(write=True, db=db) as txn:
+                txn.put(b"t/a", raw)
+        cat = Catalog(tmp_path / "cat")
+        with pytest.raises(CorruptDataError):
+            await cat.get("t", "a")
+        assert (await cat.get("t", "b")).tokens == list(range(10)), what
+        await cat.close()
     with lmdb.open(str(tmp_path / "cat"), max_dbs=3) as env:
         db = env.open_db(b"sessions")
         with env.begin(write=True, db=db) as txn:
