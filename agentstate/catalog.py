@@ -16,7 +16,8 @@ from typing import NamedTuple, TypeVar
 
 import lmdb
 
-from agentstate.errors import BackendError, ConflictError
+from agentstate.backends.base import disk_full
+from agentstate.errors import BackendError, CapacityError, ConflictError
 from agentstate.manifest import SessionManifest, decode_manifest, encode_manifest
 
 _NO_VERSION = 0
@@ -38,6 +39,7 @@ class Catalog:
 
     def __init__(self, path: str | Path, *, map_size: int = 64 << 20) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
+        self._path = Path(path)
         try:
             self._env = lmdb.open(str(path), map_size=map_size, max_dbs=3, subdir=True)
         except lmdb.Error as exc:
@@ -60,6 +62,10 @@ class Catalog:
                         return fn(txn)
                 except lmdb.MapFullError:
                     self._env.set_mapsize(self._env.info()["map_size"] * 2)
+                except lmdb.Error as exc:
+                    if disk_full(self._path, exc):
+                        raise CapacityError(f"catalog at {self._path}: the disk is full ({exc})") from exc
+                    raise BackendError(f"catalog write failed: {exc}") from exc
 
         return await self._run(run)
 

@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from pydantic import BaseModel
+
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT}
+
+
+def disk_full(path: str | os.PathLike[str], exc: BaseException, need: int = 0) -> bool:
+    """Whether a failed write means the filesystem under `path` ran out of room.
+
+    ENOSPC and EDQUOT say so. LMDB turns a short page write into EIO, so an EIO counts too when
+    the filesystem has less than `need` bytes (plus 1 MiB of slack) left: a real disk fault on a
+    disk with room stays an I/O error.
+    """
+    code = getattr(exc, "errno", None)
+    text = str(exc)
+    if code in _NO_ROOM or os.strerror(errno.ENOSPC) in text or os.strerror(errno.EDQUOT) in text:
+        return True
+    if code != errno.EIO and os.strerror(errno.EIO) not in text:
+        return False
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < need + (1 << 20)
+
 
 ReadSink = Callable[[int, memoryview], None]
 """Called as `sink(i, view)` with the stored bytes of `keys[i]`. The view is valid only during the

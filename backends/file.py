@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import unquote
 
-from agentstate.backends.base import Backend, BackendStats, Pinnable, ReadSink
+from agentstate.backends.base import Backend, BackendStats, Pinnable, ReadSink, disk_full
 
 from agentstate.errors import BackendError, CapacityError, InvalidArgumentError
 from agentstate.memory import host_buffer
@@ -387,6 +387,8 @@ class FileBackend(Pinnable, Backend):
             if victims and self.on_evict is not None:
                 self.on_evict(victims)
         if error is not None:
+            if disk_full(self._root, error, sum(sizes.values())):
+                raise CapacityError(f"file tier at {self._root}: the disk is full ({error})") from error
             raise BackendError(f"file tier write failed: {error}") from error
 
     async def _store(

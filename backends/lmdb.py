@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import lmdb
-from agentstate.backends.base import Backend, BackendStats, ReadSink
+from agentstate.backends.base import Backend, BackendStats, ReadSink, disk_full
 
 from agentstate.errors import BackendError, CapacityError
 
@@ -181,7 +181,7 @@ class LMDBBackend(Backend):
             batch, self._queue = self._queue, []
             try:
                 await asyncio.get_running_loop().run_in_executor(self._pool, self._commit, batch)
-            except Exception as exc:  # every waiter of the failed transaction gets the error
+            except Exception as exc:  # noqa: BLE001 - every waiter of the failed transaction gets the error
                 for op in batch:
                     if not op.done.done():  # type: ignore[union-attr]
                         op.done.set_exception(exc)  # type: ignore[union-attr]
@@ -204,6 +204,8 @@ class LMDBBackend(Backend):
                 continue
             except lmdb.Error as exc:
                 self._counts["errors"] += 1
+                if disk_full(self.path, exc, sum(len(v) for op in batch for _, v in op.puts)):
+                    raise CapacityError(f"LMDB at {self.path}: the disk is full ({exc})") from exc
                 raise BackendError(f"LMDB write failed: {exc}") from exc
             self._counts.update(writes=sum(len(op.puts) for op in batch), deletes=sum(len(op.deletes) for op in batch))
             return
