@@ -29,6 +29,9 @@ class TierConfig(BaseModel):
     cluster: bool = Field(default=False, description="redis tier: use the Redis Cluster client")
     ttl_seconds: int | None = Field(default=None, gt=0, description="redis tier: expire chunks after this")
     prefix: str = Field(default="agentstate:", description="redis tier: key prefix of this deployment")
+    timeout_s: float = Field(default=2.0, gt=0, description="remote tiers: bound of each call")
+    breaker_threshold: int = Field(default=3, gt=0, description="remote tiers: failures in a row that open the breaker")
+    breaker_cooldown_s: float = Field(default=5.0, gt=0, description="remote tiers: skip an open node this long")
 
     @property
     def tier_name(self) -> str:

@@ -135,7 +135,10 @@ class StoreBase:
         elif cfg.kind == "redis":
             from agentstate.backends.redis import RedisBackend
 
-            backend = RedisBackend(cfg.url, cluster=cfg.cluster, ttl_seconds=cfg.ttl_seconds, prefix=cfg.prefix)
+            backend = RedisBackend(
+                cfg.url, cluster=cfg.cluster, ttl_seconds=cfg.ttl_seconds, prefix=cfg.prefix, timeout_s=cfg.timeout_s,
+                breaker_threshold=cfg.breaker_threshold, breaker_cooldown_s=cfg.breaker_cooldown_s,
+            )  # fmt: skip
         else:
             from agentstate.backends.file import FileBackend
 

@@ -50,6 +50,27 @@ class Transfer:
         self.counts: Counter[str] = Counter()
         self._background: set[asyncio.Future[object]] = set()
 
+    async def _forget(self, tier: Tier, missing: list[str], corrupt: list[str]) -> None:
+        """Drop what a read found absent or damaged, so the next store rewrites it; never raises.
+
+        A remote tier's "missing" may be a node that failed or another host's delete, not absence:
+        it is only forgotten by the index, never deleted there. Cleanup that fails (the tier is
+        down) is counted and left for the next read or gc: it must not fail a restore.
+        """
+        if tier.backend.remote:
+            self.manager.note(tier, missing, [False] * len(missing))
+            doomed = corrupt
+        else:
+            doomed = missing + corrupt
+        if not doomed:
+            return
+        try:
+            await self.manager.delete(doomed, [tier])
+        except AgentStateError as exc:
+            self.counts["cleanup_errors"] += 1
+            log.warning("tier %s: dropping %d bad chunks failed (%s); a later read or gc retries", tier.name,
+                        len(doomed), exc)  # fmt: skip
+
     def _chunk_bytes(self, tokens: int) -> int:
         return codec.encoded_size(tokens * self.spec.token_bytes)
 
@@ -162,8 +183,7 @@ class Transfer:
                 log.warning("tier %s: chunk %s is %s; treating it as a miss and dropping it", tier.name, keys[i], s)
         if corrupt:
             self.counts["corrupt"] += len(corrupt)
-        if missing or corrupt:
-            await self.manager.delete(missing + corrupt, [tier])
+        await self._forget(tier, missing, corrupt)
         if staged is not None:
             staged.update(owned)
         good = [i for i, s in enumerate(status) if s == "ok"]

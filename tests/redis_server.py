@@ -70,10 +70,11 @@ class RedisServer:
 class RedisCluster:
     """Three masters on loopback ports, no replicas, formed with `redis-cli --cluster create`."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, extra: list[str] | None = None) -> None:
         if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
             pytest.skip("redis-server/redis-cli not installed (.ci/run installs them)")
         self.nodes = [RedisServer(workdir / f"n{i}") for i in range(3)]
+        self.node_extra = extra or []
         for node in self.nodes:
             node.workdir.mkdir(parents=True, exist_ok=True)
 
@@ -84,7 +85,8 @@ class RedisCluster:
     def start(self) -> RedisCluster:
         for node in self.nodes:
             node.extra = ["--cluster-enabled", "yes", "--cluster-config-file", str(node.workdir / "nodes.conf"),
-                          "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no"]  # fmt: skip
+                          "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no",
+                          *self.node_extra]  # fmt: skip
             node.start()
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
         subprocess.run(["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
