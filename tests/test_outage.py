@@ -25,14 +25,16 @@ TOKENS = 8 * 64
 
 async def test_nodes_stopped_and_restarted_during_loads(tmp_path: Path) -> None:
     cluster = RedisCluster(tmp_path / "cluster", extra=["--appendonly", "yes", "--appendfsync", "always"]).start()
-    tiers = [TierConfig(kind="lmdb"), TierConfig(kind="redis", url=cluster.url, cluster=True, timeout_s=0.5,
-                                             breaker_cooldown_s=0.5)]
+    tiers = [
+        TierConfig(kind="lmdb"),
+        TierConfig(kind="redis", url=cluster.url, cluster=True, timeout_s=0.5, breaker_cooldown_s=0.5),
+    ]
     data = [(random_tokens(TOKENS, seed=s), random_kv(SPEC4, TOKENS, seed=s)) for s in range(PREFIXES)]
     try:
         async with StateStore.open(tmp_path / "writer", SPEC4, tiers=tiers, chunk_tokens=64) as writer:
             for tokens, kv in data:
                 await writer.put_prefix(tokens, kv)
-        reader_cfg = dict(tiers=tiers, chunk_tokens=64, promote_on_read=False)  # every load asks Redis
+        reader_cfg = {"tiers": tiers, "chunk_tokens": 64, "promote_on_read": False}  # every load asks Redis
         async with StateStore.open(tmp_path / "reader", SPEC4, **reader_cfg) as reader:
             stop = asyncio.Event()
             loads: list[int] = []
