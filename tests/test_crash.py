@@ -88,19 +88,30 @@ async def check(data: Path, log: Path, *, sweep: bool) -> int:
         return len(manifests)
 
 
-async def test_sigkilled_writer_loses_nothing_that_returned(tmp_path: Path) -> None:
-    data, log = tmp_path / "data", tmp_path / "ops.log"
-    rng = random.Random(20261202)
+async def kill_loop(data: Path, log: Path, kills: int, seed: int = 20261202) -> dict[str, int]:
+    """`kills` SIGKILLs of a writer at random points, each followed by a full check; returns counts."""
+    rng = random.Random(seed)
     zygote = Zygote(data, log)
+    checked = 0
     try:
-        for kill in range(KILLS):
+        for kill in range(kills):
             pid = zygote.ask(f"fork {rng.randrange(1 << 30)}")
             time.sleep(rng.uniform(0.05, 0.9))  # anywhere: opening, writing chunks, committing, deleting
             os.kill(pid, signal.SIGKILL)
             status = zygote.ask(f"wait {pid}")
             assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"writer failed: {status}"
-            await check(data, log, sweep=kill % 10 == 9)
+            checked += await check(data, log, sweep=kill % 10 == 9)
     finally:
         zygote.close()
     ops = log.read_text().splitlines()
-    assert sum(op.startswith("snapshot") for op in ops) > KILLS  # the kills landed mid-workload, not before it
+    return {
+        "kills": kills,
+        "snapshots": sum(op.startswith("snapshot") for op in ops),
+        "deletes": sum(op.startswith("deleted") for op in ops),
+        "sessions_checked": checked,
+    }
+
+
+async def test_sigkilled_writer_loses_nothing_that_returned(tmp_path: Path) -> None:
+    counts = await kill_loop(tmp_path / "data", tmp_path / "ops.log", KILLS)
+    assert counts["snapshots"] > KILLS  # the kills landed mid-workload, not before it
