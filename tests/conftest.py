@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from agentstate import ModelSpec, StateStore
+from tests.mooncake_server import MooncakeServer
 from tests.redis_server import RedisCluster, RedisServer
 
 SPEC4 = ModelSpec(model_id="test/tiny", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
@@ -42,6 +43,14 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
     cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeServer]:
+    """A Mooncake master and one storage process on loopback (skips where mooncake cannot run)."""
+    server = MooncakeServer(tmp_path_factory.mktemp("mooncake")).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -15,13 +15,16 @@ from agentstate.backends.lmdb import LMDBBackend
 from agentstate.backends.redis import RedisBackend
 
 
-@pytest.fixture(params=["host", "lmdb", "file", "redis", "redis-cluster"])
+@pytest.fixture(params=["host", "lmdb", "file", "redis", "redis-cluster", "mooncake"])
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
     b: Backend
     if request.param.startswith("redis"):
         cluster = request.param == "redis-cluster"
         server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
         b = RedisBackend(server.url, cluster=cluster, prefix=f"test-{request.node.name}:")
+        await b.delete([k async for k in b.keys()])
+    elif request.param == "mooncake":
+        b = request.getfixturevalue("mooncake_store").backend(prefix=f"test-{request.node.name}:")
         await b.delete([k async for k in b.keys()])
     elif request.param == "host":
         b = HostBackend(64 << 20)

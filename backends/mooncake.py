@@ -1,0 +1,402 @@
+"""Mooncake Store tier: chunks in a Mooncake distributed store (a master plus storage segments).
+
+The store's Python client is a blocking pybind object, and it fails quietly, so this module wraps
+every call in what its failure modes need:
+
+- Calls run on a small executor of our own, each under `timeout_s`, behind the circuit breaker
+  the Redis tier uses: with the master down every call blocks ~4.3 s and returns -900, and a
+  first `setup()` against a dead master blocks for ~90 s. The client is set up lazily, on a
+  worker, so opening a store never hangs on it.
+- Writes use upsert: `put` of an existing key returns 0 and keeps the old value.
+- A missing key and a failed transfer look alike through plain `get` (both `b''`): reads go
+  through `batch_get_into`, whose per-key codes tell a miss (-704) from a failure.
+- Zero-copy: one host arena is registered with the transfer engine and split into one slot per
+  worker. Reads land straight in a slot and the sink decodes from there (one copy, into the
+  destination, as LMDB's mmap gives); writes are packed into a slot and sent from it with
+  `batch_upsert_from`. A value larger than a slot falls back to plain `upsert`/`get` (staged
+  through the client's own local buffer, so it must fit `local_buffer_bytes`).
+- A full segment evicts the oldest objects silently and a killed storage process takes its
+  values with it: this tier is a shared cache, never `durable`, so sessions never commit to it.
+
+Keys are listed through the master's admin HTTP port (`/get_all_keys`, every key of the
+cluster, filtered here by prefix): a full scan, for gc and admin, never on a hot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import mmap
+import os
+import queue
+import threading
+import urllib.request
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from agentstate.backends.base import Backend, BackendStats, ReadSink
+from agentstate.backends.redis import CircuitBreaker
+
+from agentstate.errors import BackendError, BackendRefusedError, CapacityError
+
+log = logging.getLogger("agentstate.backends.mooncake")
+T = TypeVar("T")
+Value = bytes | bytearray | memoryview
+
+# Return codes of the client (mooncake's ErrorCode), checked against a live store.
+NO_SPACE = -200  # no segment can hold the value (NO_AVAILABLE_HANDLE)
+INVALID = -600  # bad parameters; also a destination buffer too small for the value
+MISSING = -704  # no such object (OBJECT_NOT_FOUND)
+MIN_SHARE = 64 << 10  # the least slot space a key is given in one batched read
+
+
+class _Guard:
+    """Lets a worker touch caller memory (sinks, values to copy) only while the caller still waits.
+
+    A call that timed out keeps running on its thread; without this it could copy from a value
+    buffer or call a sink after the caller has moved on and reused that memory.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._abandoned = False
+
+    @contextmanager
+    def live(self) -> Iterator[bool]:
+        with self._lock:
+            yield not self._abandoned
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+
+
+class _Slot:
+    """One worker's part of the registered arena."""
+
+    def __init__(self, view: memoryview, addr: int) -> None:
+        self.view, self.addr, self.size = view, addr, len(view)
+
+
+class MooncakeBackend(Backend):
+    name = "mooncake"
+    durable = False
+    trusted = False
+    remote = True
+
+    def __init__(
+        self,
+        master: str = "127.0.0.1:50051",
+        *,
+        metadata_url: str = "http://127.0.0.1:8080/metadata",
+        admin_url: str = "http://127.0.0.1:9003",
+        local_host: str = "127.0.0.1",
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+        segment_bytes: int = 0,
+        buffer_bytes: int = 256 << 20,
+        local_buffer_bytes: int = 64 << 20,
+        prefix: str = "agentstate:",
+        timeout_s: float = 2.0,
+        breaker_threshold: int = 3,
+        breaker_cooldown_s: float = 5.0,
+        threads: int = 4,
+    ) -> None:
+        try:
+            import mooncake.store as mooncake_store  # optional dependency: loaded only when chosen
+        except ImportError as exc:
+            raise ImportError(
+                "the mooncake tier needs mooncake-transfer-engine-non-cuda (pip install 'agentstate[mooncake]')"
+            ) from exc
+        self._module = mooncake_store
+        if protocol == "tcp":
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_host)  # else the engine may bind off-loopback
+        self._setup_args = (local_host, metadata_url, segment_bytes, local_buffer_bytes, protocol, rdma_devices, master)
+        self.admin_url, self.prefix, self.timeout_s = admin_url.rstrip("/"), prefix, timeout_s
+        self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown_s)
+        self._counts: Counter[str] = Counter()
+        self._threads = threads
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agentstate-mooncake")
+        self._gate: asyncio.Semaphore | None = None
+        self._client: Any = None
+        self._setup_lock = threading.Lock()
+        self._arena = mmap.mmap(-1, max(buffer_bytes, mmap.PAGESIZE))  # lazily backed, page aligned
+        self._arena_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._arena))
+        share = len(self._arena) // threads
+        self._slots: queue.Queue[_Slot] = queue.Queue()
+        for i in range(threads):
+            self._slots.put(_Slot(memoryview(self._arena)[i * share : (i + 1) * share], self._arena_addr + i * share))
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    @property
+    def trips(self) -> int:
+        return self.breaker.trips
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        """The set-up client (on a worker thread). One setup at a time: against a dead master it
+        blocks for ~90 s, and later calls must fail within their own timeout, not queue behind it."""
+        if self._client is not None:
+            return self._client
+        if not self._setup_lock.acquire(timeout=self.timeout_s):
+            raise BackendError("mooncake client setup still in progress")
+        try:
+            if self._client is None:
+                client = self._module.MooncakeDistributedStore()
+                rc = client.setup(*self._setup_args)
+                if rc != 0:
+                    raise BackendError(f"mooncake setup failed ({rc}); master {self._setup_args[-1]}")
+                rc = client.register_buffer(self._arena_addr, len(self._arena))
+                if rc != 0:
+                    client.close()
+                    raise BackendError(f"mooncake register_buffer failed ({rc})")
+                self._client = client
+            return self._client
+        finally:
+            self._setup_lock.release()
+
+    def _work(self, fn: Callable[[Any, _Slot, _Guard], T], guard: _Guard) -> T:
+        client = self._connect()
+        slot = self._slots.get()  # never waits: at most `threads` workers run
+        try:
+            return fn(client, slot, guard)
+        finally:
+            self._slots.put(slot)
+
+    async def _run(self, what: str, fn: Callable[[Any, _Slot, _Guard], T], guard: _Guard | None = None) -> T:
+        """One blocking call on a worker, bounded by `timeout_s`. A timeout, an exception or an
+        open breaker raise BackendError (counted); the caller judges the return codes."""
+        if self.breaker.open:
+            self._counts["errors"] += 1
+            raise BackendError("mooncake tier unavailable (circuit open)")
+        guard = guard or _Guard()
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(self._threads)  # the timeout covers the call, not a queue
+        loop = asyncio.get_running_loop()
+        try:
+            async with self._gate:
+                return await asyncio.wait_for(loop.run_in_executor(self._pool, self._work, fn, guard), self.timeout_s)
+        except Exception as exc:
+            guard.abandon()
+            self._failed(1)
+            reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
+            log.warning("mooncake %s failed (%s)", what, reason)
+            raise BackendError(f"mooncake {what} failed: {reason}") from exc
+
+    def _failed(self, count: int) -> None:
+        """Record `count` failed keys (one breaker failure per call), or a healthy call when 0."""
+        if count:
+            self._counts["errors"] += count
+            self.breaker.failure()
+        else:
+            self.breaker.success()
+
+    @staticmethod
+    def _outage(code: int) -> bool:
+        return code < 0 and code != MISSING
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        names = [self._k(k) for k in keys]
+        try:
+            codes = await self._run("exists", lambda c, s, g: c.batch_is_exist(names))
+        except BackendError:
+            return [False] * len(keys)  # an unreachable store holds nothing we can use
+        self._failed(sum(code < 0 for code in codes))
+        return [code == 1 for code in codes]
+
+    async def read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:
+        if not keys:
+            return []
+        found = [False] * len(keys)
+        guard = _Guard()
+        try:
+            failed = await self._run("get", lambda c, s, g: self._fetch(c, s, g, keys, sink, found), guard)
+            self._failed(failed)
+        except BackendError:
+            pass  # counted already; sinks that ran before the timeout delivered whole values
+        hits = sum(found)
+        self._counts.update(reads=hits, misses=len(keys) - hits)
+        return found
+
+    def _fetch(self, client: Any, slot: _Slot, guard: _Guard, keys: Sequence[str], sink: ReadSink,
+               found: list[bool]) -> int:  # fmt: skip
+        """Batched reads into the slot, each key given an equal share; values that did not fit
+        their share are read again alone. Returns how many keys failed (not missing: failed)."""
+        failed = 0
+        step = max(1, slot.size // MIN_SHARE)
+        for start in range(0, len(keys), step):
+            group = list(range(start, min(start + step, len(keys))))
+            share = slot.size // len(group)
+            codes = client.batch_get_into(
+                [self._k(keys[i]) for i in group], [slot.addr + j * share for j in range(len(group))],
+                [share] * len(group),
+            )  # fmt: skip
+            again = []
+            with guard.live() as live:
+                if not live:
+                    return failed
+                for j, (i, code) in enumerate(zip(group, codes)):
+                    if code > 0:
+                        sink(i, slot.view[j * share : j * share + code])
+                        found[i] = True
+                    elif code == INVALID:
+                        again.append(i)
+                    else:
+                        failed += self._outage(code)
+            for i in again:
+                failed += self._fetch_alone(client, slot, guard, keys[i], lambda v, i=i: sink(i, v), i, found)
+        return failed
+
+    def _fetch_alone(self, client: Any, slot: _Slot, guard: _Guard, key: str, sink: Callable[[memoryview], None],
+                     i: int, found: list[bool]) -> int:  # fmt: skip
+        code = client.get_into(self._k(key), slot.addr, slot.size)
+        data: Any = slot.view[:code] if code > 0 else None
+        if code == INVALID:  # larger than a slot: plain get, through the client's local buffer
+            data = client.get(self._k(key)) or None
+            if data is None:
+                return int(client.is_exist(self._k(key)) != 0)  # b'' is a miss or a failure: ask which
+            data = memoryview(data)
+        if data is None:
+            return int(self._outage(code))
+        with guard.live() as live:
+            if live:
+                sink(data)
+                found[i] = True
+        return 0
+
+    async def sizes(self, keys: Sequence[str]) -> list[int]:
+        if not keys:
+            return []
+        names = [self._k(k) for k in keys]
+        try:
+            codes = await self._run("get_size", lambda c, s, g: [c.get_size(n) for n in names])
+        except BackendError:
+            return [0] * len(keys)
+        self._failed(sum(self._outage(code) for code in codes))
+        return [max(code, 0) for code in codes]
+
+    async def keys(self, prefix: str | None = None) -> AsyncIterator[str]:
+        """Every key under `prefix`, from the master's key list (the whole cluster's: a scan)."""
+        if self.breaker.open:
+            raise BackendError("mooncake tier unavailable (circuit open)")
+        loop = asyncio.get_running_loop()
+        url = f"{self.admin_url}/get_all_keys"
+        try:
+            body = await asyncio.wait_for(
+                loop.run_in_executor(self._pool, lambda: urllib.request.urlopen(url, timeout=self.timeout_s).read()),
+                self.timeout_s * 2,
+            )
+        except Exception as exc:
+            self._failed(1)
+            raise BackendError(f"mooncake key listing from {url} failed: {type(exc).__name__}: {exc}") from exc
+        want = self._k(prefix or "")
+        for line in body.decode("utf-8", "replace").splitlines():
+            if line.startswith(want):
+                yield line[len(self.prefix) :]
+
+    # -- writes --------------------------------------------------------------------------------
+
+    async def put(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        if not keys:
+            return
+        if len(keys) != len(values):
+            raise ValueError("keys and values differ in length")
+        guard = _Guard()
+        codes = await self._run("put", lambda c, s, g: self._store(c, s, g, keys, values), guard)
+        bad = [code for code in codes if code != 0]
+        self._failed(sum(self._outage(code) and code not in (NO_SPACE, INVALID) for code in bad))
+        self._counts["writes"] += len(keys) - len(bad)
+        if not bad:
+            return
+        if NO_SPACE in bad:
+            raise CapacityError(f"mooncake: no segment can hold {bad.count(NO_SPACE)} of {len(keys)} values")
+        if INVALID in bad:
+            raise BackendRefusedError(
+                f"mooncake refused {bad.count(INVALID)} values (empty, or larger than a slot and the local buffer)"
+            )
+        raise BackendError(f"mooncake put failed for {len(bad)} of {len(keys)} keys (codes {sorted(set(bad))})")
+
+    def _store(self, client: Any, slot: _Slot, guard: _Guard, keys: Sequence[str], values: Sequence[Value]) -> list[int]:
+        """Pack values into the slot and send each full slot with one batch_upsert_from."""
+        codes = [INVALID] * len(keys)
+        batch: list[tuple[int, int, int]] = []  # (index, offset in slot, size)
+
+        def send() -> None:
+            got = client.batch_upsert_from([self._k(keys[i]) for i, _, _ in batch],
+                                           [slot.addr + off for _, off, _ in batch], [n for _, _, n in batch])  # fmt: skip
+            for (i, _, _), code in zip(batch, got):
+                codes[i] = code
+            batch.clear()
+
+        used = 0
+        for i, value in enumerate(values):
+            view = memoryview(value).cast("B")
+            size = len(view)
+            if size == 0:
+                continue  # Mooncake stores no empty objects: refused (INVALID)
+            if size > slot.size:
+                with guard.live() as live:
+                    data = bytes(view) if live else None
+                if data is None:
+                    return codes
+                codes[i] = client.upsert(self._k(keys[i]), data)
+                continue
+            if used + size > slot.size:
+                send()
+                used = 0
+            with guard.live() as live:
+                if not live:
+                    return codes
+                slot.view[used : used + size] = view
+            batch.append((i, used, size))
+            used += size
+        if batch:
+            send()
+        return codes
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Forced removal: a plain remove fails for 10 s after any read (the read lease)."""
+        if not keys:
+            return
+        names = [self._k(k) for k in keys]
+        codes = await self._run("delete", lambda c, s, g: c.batch_remove(names, True))
+        failed = sum(self._outage(code) for code in codes)
+        self._failed(failed)
+        self._counts["deletes"] += sum(code == 0 for code in codes)
+        if failed:
+            raise BackendError(f"mooncake delete failed for {failed} of {len(keys)} keys")
+
+    # -- admin ---------------------------------------------------------------------------------
+
+    async def stats(self) -> BackendStats:
+        """Counts and value bytes under this backend's prefix (a full key listing: admin only)."""
+        try:
+            keys = [k async for k in self.keys()]
+        except BackendError:
+            keys = []
+        return BackendStats(
+            name=self.name, items=len(keys), bytes_used=sum(await self.sizes(keys)), capacity_bytes=None,
+            **{k: self._counts[k] for k in ("reads", "writes", "deletes", "misses", "errors")},
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        """Close the client without waiting on a call stuck in it (a dead master holds one ~4.3 s)."""
+        client, self._client = self._client, None
+        if client is not None:
+            loop = asyncio.get_running_loop()
+            try:
+                await asyncio.wait_for(loop.run_in_executor(None, client.close), self.timeout_s)
+            except Exception as exc:  # closing is best effort: the process may be going away
+                log.warning("mooncake close failed (%s: %s)", type(exc).__name__, exc)
+        self._pool.shutdown(wait=False, cancel_futures=True)
