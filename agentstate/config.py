@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from agentstate.keys import validate_id
@@ -19,7 +19,7 @@ class TierConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["device", "host", "lmdb", "file", "redis"]
+    kind: Literal["device", "host", "lmdb", "file", "redis", "mooncake"]
     name: str | None = Field(default=None, description="unique tier name; defaults to the kind")
     capacity_bytes: int | None = Field(default=None, ge=0, description="cache tiers: evict beyond this")
     path: Path | None = Field(default=None, description="lmdb/file: directory, relative to the store path")
@@ -28,10 +28,32 @@ class TierConfig(BaseModel):
     url: str = Field(default="redis://127.0.0.1:6379/0", description="redis tier: server or cluster URL")
     cluster: bool = Field(default=False, description="redis tier: use the Redis Cluster client")
     ttl_seconds: int | None = Field(default=None, gt=0, description="redis tier: expire chunks after this")
-    prefix: str = Field(default="agentstate:", description="redis tier: key prefix of this deployment")
+    prefix: str = Field(default="agentstate:", description="redis/mooncake tier: key prefix of this deployment")
     timeout_s: float = Field(default=2.0, gt=0, description="remote tiers: bound of each call")
     breaker_threshold: int = Field(default=3, gt=0, description="remote tiers: failures in a row that open the breaker")
     breaker_cooldown_s: float = Field(default=5.0, gt=0, description="remote tiers: skip an open node this long")
+    master: str = Field(default="127.0.0.1:50051", description="mooncake tier: master RPC address host:port")
+    metadata_url: str = Field(
+        default="http://127.0.0.1:8080/metadata", description="mooncake tier: transfer-engine metadata server"
+    )
+    admin_url: str = Field(
+        default="http://127.0.0.1:9003", description="mooncake tier: master's metrics/admin HTTP port (key listing)"
+    )
+    protocol: Literal["tcp", "rdma"] = Field(default="tcp", description="mooncake tier: transfer protocol")
+    rdma_devices: str = Field(default="", description="mooncake tier: RDMA devices, comma separated")
+    local_host: str = Field(default="127.0.0.1", description="mooncake tier: this client's address as peers see it")
+    segment_bytes: int = Field(
+        default=0, ge=0, description="mooncake tier: memory this process contributes to the store (0: client only)"
+    )
+    buffer_bytes: int = Field(
+        default=256 * MiB, gt=0, description="mooncake tier: registered arena for zero-copy reads and writes"
+    )
+
+    @model_validator(mode="after")
+    def _fits_kind(self) -> TierConfig:
+        if self.kind == "mooncake" and self.ttl_seconds is not None:
+            raise ValueError("the mooncake tier has no expiry (ttl_seconds); it evicts by itself when full")
+        return self
 
     @property
     def tier_name(self) -> str:

@@ -96,8 +96,11 @@ class StoreBase:
     def _build_catalog(self, tiers: list[Tier]) -> Catalog | RedisCatalog:
         if self.config.catalog_url is None:
             return Catalog(Path(self.config.path) / "catalog")
-        if not any(t.backend.remote for t in tiers):
-            raise InvalidArgumentError("a shared catalog (catalog_url) needs a remote tier to hold the chunks it names")
+        if not any(t.backend.remote and t.backend.durable for t in tiers):
+            raise InvalidArgumentError(
+                "a shared catalog (catalog_url) needs a durable remote tier (redis) to hold the chunks it names;"
+                " mooncake evicts and loses values, so it can only cache them"
+            )
         from agentstate.redis_catalog import RedisCatalog
 
         return RedisCatalog(
@@ -105,10 +108,10 @@ class StoreBase:
         )
 
     def _default_record(self, tiers: list[Tier]) -> str:
-        """LMDB by default; with a shared catalog, the remote tier, since every host must find the
-        chunks a shared manifest names."""
+        """LMDB by default; with a shared catalog, the durable remote tier, since every host must
+        find the chunks a shared manifest names."""
         if self._catalog.shared:
-            return next(t.name for t in tiers if t.backend.remote)
+            return next(t.name for t in tiers if t.backend.remote and t.backend.durable)
         return next(
             (t.name for t in tiers if t.backend.durable and t.name == "lmdb"),
             next((t.name for t in reversed(tiers) if t.backend.durable), ""),
@@ -137,6 +140,15 @@ class StoreBase:
 
             backend = RedisBackend(
                 cfg.url, cluster=cfg.cluster, ttl_seconds=cfg.ttl_seconds, prefix=cfg.prefix, timeout_s=cfg.timeout_s,
+                breaker_threshold=cfg.breaker_threshold, breaker_cooldown_s=cfg.breaker_cooldown_s,
+            )  # fmt: skip
+        elif cfg.kind == "mooncake":
+            from agentstate.backends.mooncake import MooncakeBackend
+
+            backend = MooncakeBackend(
+                cfg.master, metadata_url=cfg.metadata_url, admin_url=cfg.admin_url, local_host=cfg.local_host,
+                protocol=cfg.protocol, rdma_devices=cfg.rdma_devices, segment_bytes=cfg.segment_bytes,
+                buffer_bytes=cfg.buffer_bytes, prefix=cfg.prefix, timeout_s=cfg.timeout_s,
                 breaker_threshold=cfg.breaker_threshold, breaker_cooldown_s=cfg.breaker_cooldown_s,
             )  # fmt: skip
         else:

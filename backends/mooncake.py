@@ -25,20 +25,16 @@ cluster, filtered here by prefix): a full scan, for gc and admin, never on a hot
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
-import mmap
 import os
-import queue
 import threading
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from agentstate.backends.base import Backend, BackendStats, ReadSink
+from agentstate.backends.mooncake_io import Arena, DaemonPool, Guard, Slot
 from agentstate.backends.redis import CircuitBreaker
 
 from agentstate.errors import BackendError, BackendRefusedError, CapacityError
@@ -52,34 +48,6 @@ NO_SPACE = -200  # no segment can hold the value (NO_AVAILABLE_HANDLE)
 INVALID = -600  # bad parameters; also a destination buffer too small for the value
 MISSING = -704  # no such object (OBJECT_NOT_FOUND)
 MIN_SHARE = 64 << 10  # the least slot space a key is given in one batched read
-
-
-class _Guard:
-    """Lets a worker touch caller memory (sinks, values to copy) only while the caller still waits.
-
-    A call that timed out keeps running on its thread; without this it could copy from a value
-    buffer or call a sink after the caller has moved on and reused that memory.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._abandoned = False
-
-    @contextmanager
-    def live(self) -> Iterator[bool]:
-        with self._lock:
-            yield not self._abandoned
-
-    def abandon(self) -> None:
-        with self._lock:
-            self._abandoned = True
-
-
-class _Slot:
-    """One worker's part of the registered arena."""
-
-    def __init__(self, view: memoryview, addr: int) -> None:
-        self.view, self.addr, self.size = view, addr, len(view)
 
 
 class MooncakeBackend(Backend):
@@ -120,16 +88,13 @@ class MooncakeBackend(Backend):
         self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown_s)
         self._counts: Counter[str] = Counter()
         self._threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agentstate-mooncake")
+        self._pool = DaemonPool(threads, "agentstate-mooncake")
         self._gate: asyncio.Semaphore | None = None
         self._client: Any = None
         self._setup_lock = threading.Lock()
-        self._arena = mmap.mmap(-1, max(buffer_bytes, mmap.PAGESIZE))  # lazily backed, page aligned
-        self._arena_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._arena))
-        share = len(self._arena) // threads
-        self._slots: queue.Queue[_Slot] = queue.Queue()
-        for i in range(threads):
-            self._slots.put(_Slot(memoryview(self._arena)[i * share : (i + 1) * share], self._arena_addr + i * share))
+        self._lock = threading.Lock()
+        self._inflight, self._closed = 0, False
+        self._arena = Arena(buffer_bytes, threads)
 
     def _k(self, key: str) -> str:
         return self.prefix + key
@@ -153,7 +118,7 @@ class MooncakeBackend(Backend):
                 rc = client.setup(*self._setup_args)
                 if rc != 0:
                     raise BackendError(f"mooncake setup failed ({rc}); master {self._setup_args[-1]}")
-                rc = client.register_buffer(self._arena_addr, len(self._arena))
+                rc = client.register_buffer(self._arena.addr, self._arena.size)
                 if rc != 0:
                     client.close()
                     raise BackendError(f"mooncake register_buffer failed ({rc})")
@@ -162,21 +127,36 @@ class MooncakeBackend(Backend):
         finally:
             self._setup_lock.release()
 
-    def _work(self, fn: Callable[[Any, _Slot, _Guard], T], guard: _Guard) -> T:
-        client = self._connect()
-        slot = self._slots.get()  # never waits: at most `threads` workers run
+    def _work(self, fn: Callable[[Any, Slot, Guard], T], guard: Guard) -> T:
+        """Run `fn` on a worker. Calls in flight are counted: closing the client under one of them
+        crashes the process when it returns, so the last call out closes a client `close` left."""
+        with self._lock:
+            if self._closed:
+                raise BackendError("mooncake tier is closed")
+            self._inflight += 1
         try:
-            return fn(client, slot, guard)
+            client = self._connect()
+            with self._arena.slot() as slot:
+                return fn(client, slot, guard)
         finally:
-            self._slots.put(slot)
+            with self._lock:
+                self._inflight -= 1
+                last = self._closed and self._inflight == 0
+            if last:
+                self._close_client()
 
-    async def _run(self, what: str, fn: Callable[[Any, _Slot, _Guard], T], guard: _Guard | None = None) -> T:
+    def _close_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    async def _run(self, what: str, fn: Callable[[Any, Slot, Guard], T], guard: Guard | None = None) -> T:
         """One blocking call on a worker, bounded by `timeout_s`. A timeout, an exception or an
         open breaker raise BackendError (counted); the caller judges the return codes."""
         if self.breaker.open:
             self._counts["errors"] += 1
             raise BackendError("mooncake tier unavailable (circuit open)")
-        guard = guard or _Guard()
+        guard = guard or Guard()
         if self._gate is None:
             self._gate = asyncio.Semaphore(self._threads)  # the timeout covers the call, not a queue
         loop = asyncio.get_running_loop()
@@ -219,7 +199,7 @@ class MooncakeBackend(Backend):
         if not keys:
             return []
         found = [False] * len(keys)
-        guard = _Guard()
+        guard = Guard()
         try:
             failed = await self._run("get", lambda c, s, g: self._fetch(c, s, g, keys, sink, found), guard)
             self._failed(failed)
@@ -229,7 +209,7 @@ class MooncakeBackend(Backend):
         self._counts.update(reads=hits, misses=len(keys) - hits)
         return found
 
-    def _fetch(self, client: Any, slot: _Slot, guard: _Guard, keys: Sequence[str], sink: ReadSink,
+    def _fetch(self, client: Any, slot: Slot, guard: Guard, keys: Sequence[str], sink: ReadSink,
                found: list[bool]) -> int:  # fmt: skip
         """Batched reads into the slot, each key given an equal share; values that did not fit
         their share are read again alone. Returns how many keys failed (not missing: failed)."""
@@ -258,7 +238,7 @@ class MooncakeBackend(Backend):
                 failed += self._fetch_alone(client, slot, guard, keys[i], lambda v, i=i: sink(i, v), i, found)
         return failed
 
-    def _fetch_alone(self, client: Any, slot: _Slot, guard: _Guard, key: str, sink: Callable[[memoryview], None],
+    def _fetch_alone(self, client: Any, slot: Slot, guard: Guard, key: str, sink: Callable[[memoryview], None],
                      i: int, found: list[bool]) -> int:  # fmt: skip
         code = client.get_into(self._k(key), slot.addr, slot.size)
         data: Any = slot.view[:code] if code > 0 else None
@@ -312,7 +292,7 @@ class MooncakeBackend(Backend):
             return
         if len(keys) != len(values):
             raise ValueError("keys and values differ in length")
-        guard = _Guard()
+        guard = Guard()
         codes = await self._run("put", lambda c, s, g: self._store(c, s, g, keys, values), guard)
         bad = [code for code in codes if code != 0]
         self._failed(sum(self._outage(code) and code not in (NO_SPACE, INVALID) for code in bad))
@@ -327,7 +307,7 @@ class MooncakeBackend(Backend):
             )
         raise BackendError(f"mooncake put failed for {len(bad)} of {len(keys)} keys (codes {sorted(set(bad))})")
 
-    def _store(self, client: Any, slot: _Slot, guard: _Guard, keys: Sequence[str], values: Sequence[Value]) -> list[int]:
+    def _store(self, client: Any, slot: Slot, guard: Guard, keys: Sequence[str], values: Sequence[Value]) -> list[int]:
         """Pack values into the slot and send each full slot with one batch_upsert_from."""
         codes = [INVALID] * len(keys)
         batch: list[tuple[int, int, int]] = []  # (index, offset in slot, size)
@@ -391,12 +371,21 @@ class MooncakeBackend(Backend):
         )  # fmt: skip
 
     async def close(self) -> None:
-        """Close the client without waiting on a call stuck in it (a dead master holds one ~4.3 s)."""
-        client, self._client = self._client, None
-        if client is not None:
-            loop = asyncio.get_running_loop()
+        """Close without waiting on a call stuck in the client (a dead master holds one ~4.3 s):
+        that call, once it returns, closes the client itself."""
+        with self._lock:
+            self._closed = True
+            idle = self._inflight == 0
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if idle:  # on a thread of its own, bounded: close may block on a dead master too
+            closer = DaemonPool(1, "agentstate-mooncake-close")
             try:
-                await asyncio.wait_for(loop.run_in_executor(None, client.close), self.timeout_s)
+                await asyncio.wait_for(asyncio.wrap_future(closer.submit(self._close_client)), self.timeout_s)
             except Exception as exc:  # closing is best effort: the process may be going away
                 log.warning("mooncake close failed (%s: %s)", type(exc).__name__, exc)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+            closer.shutdown(wait=False)
+
+    @property
+    def busy(self) -> int:
+        """Calls still running in the client (some may have outlived their caller's timeout)."""
+        return self._inflight

@@ -10,6 +10,7 @@ Both ignore SIGTERM for seconds, so they are stopped with SIGKILL, by the PID Po
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,11 +38,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the test process dies, even by a crash that skips
+    fixture teardown (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+
+
 def quiet_env() -> dict[str, str]:
     """Loopback transfers (the engine picks another interface otherwise) and glog errors only."""
     env = dict(os.environ)
     env.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     env.setdefault("GLOG_minloglevel", "2")
+    env.setdefault("MC_LOG_LEVEL", "ERROR")
     return env
 
 
@@ -58,6 +68,7 @@ class MooncakeServer:
         if not self.binary.exists():
             pytest.skip(f"no mooncake_master binary at {self.binary}")
         self.workdir, self.segment_bytes = workdir, segment_bytes
+        workdir.mkdir(parents=True, exist_ok=True)
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.master: subprocess.Popen[bytes] | None = None
         self.storage: subprocess.Popen[bytes] | None = None
@@ -93,7 +104,7 @@ class MooncakeServer:
              "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
              f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
              f"--metrics_port={self.metrics_port}"],
-            stdout=log, stderr=subprocess.STDOUT, env=quiet_env(),
+            stdout=log, stderr=subprocess.STDOUT, env=quiet_env(), preexec_fn=die_with_parent,
         )  # fmt: skip
         log.close()
         deadline = time.monotonic() + 10
@@ -121,7 +132,7 @@ class MooncakeServer:
         with open(log, "ab") as out:
             self.storage = subprocess.Popen(
                 [sys.executable, "-c", STORAGE_SCRIPT, self.metadata_url, str(self.segment_bytes), self.master_addr],
-                stdout=out, stderr=subprocess.DEVNULL, env=quiet_env(),
+                stdout=out, stderr=subprocess.DEVNULL, env=quiet_env(), preexec_fn=die_with_parent,
             )  # fmt: skip
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
