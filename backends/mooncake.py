@@ -35,19 +35,13 @@ from typing import Any, TypeVar
 
 from agentstate.backends.base import Backend, BackendStats, ReadSink
 from agentstate.backends.mooncake_io import Arena, DaemonPool, Guard, Slot
+from agentstate.backends.mooncake_ops import INVALID, NO_SPACE, Value, fetch, outage, store
 from agentstate.backends.redis import CircuitBreaker
 
-from agentstate.errors import BackendError, BackendRefusedError, CapacityError
+from agentstate.errors import BackendError, BackendRefusedError, CapacityError, InvalidArgumentError
 
 log = logging.getLogger("agentstate.backends.mooncake")
 T = TypeVar("T")
-Value = bytes | bytearray | memoryview
-
-# Return codes of the client (mooncake's ErrorCode), checked against a live store.
-NO_SPACE = -200  # no segment can hold the value (NO_AVAILABLE_HANDLE)
-INVALID = -600  # bad parameters; also a destination buffer too small for the value
-MISSING = -704  # no such object (OBJECT_NOT_FOUND)
-MIN_SHARE = 64 << 10  # the least slot space a key is given in one batched read
 
 
 class MooncakeBackend(Backend):
@@ -178,10 +172,6 @@ class MooncakeBackend(Backend):
         else:
             self.breaker.success()
 
-    @staticmethod
-    def _outage(code: int) -> bool:
-        return code < 0 and code != MISSING
-
     # -- reads ---------------------------------------------------------------------------------
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -201,59 +191,14 @@ class MooncakeBackend(Backend):
         found = [False] * len(keys)
         guard = Guard()
         try:
-            failed = await self._run("get", lambda c, s, g: self._fetch(c, s, g, keys, sink, found), guard)
+            names = [self._k(k) for k in keys]
+            failed = await self._run("get", lambda c, s, g: fetch(c, s, g, names, sink, found), guard)
             self._failed(failed)
         except BackendError:
             pass  # counted already; sinks that ran before the timeout delivered whole values
         hits = sum(found)
         self._counts.update(reads=hits, misses=len(keys) - hits)
         return found
-
-    def _fetch(self, client: Any, slot: Slot, guard: Guard, keys: Sequence[str], sink: ReadSink,
-               found: list[bool]) -> int:  # fmt: skip
-        """Batched reads into the slot, each key given an equal share; values that did not fit
-        their share are read again alone. Returns how many keys failed (not missing: failed)."""
-        failed = 0
-        step = max(1, slot.size // MIN_SHARE)
-        for start in range(0, len(keys), step):
-            group = list(range(start, min(start + step, len(keys))))
-            share = slot.size // len(group)
-            codes = client.batch_get_into(
-                [self._k(keys[i]) for i in group], [slot.addr + j * share for j in range(len(group))],
-                [share] * len(group),
-            )  # fmt: skip
-            again = []
-            with guard.live() as live:
-                if not live:
-                    return failed
-                for j, (i, code) in enumerate(zip(group, codes)):
-                    if code > 0:
-                        sink(i, slot.view[j * share : j * share + code])
-                        found[i] = True
-                    elif code == INVALID:
-                        again.append(i)
-                    else:
-                        failed += self._outage(code)
-            for i in again:
-                failed += self._fetch_alone(client, slot, guard, keys[i], lambda v, i=i: sink(i, v), i, found)
-        return failed
-
-    def _fetch_alone(self, client: Any, slot: Slot, guard: Guard, key: str, sink: Callable[[memoryview], None],
-                     i: int, found: list[bool]) -> int:  # fmt: skip
-        code = client.get_into(self._k(key), slot.addr, slot.size)
-        data: Any = slot.view[:code] if code > 0 else None
-        if code == INVALID:  # larger than a slot: plain get, through the client's local buffer
-            data = client.get(self._k(key)) or None
-            if data is None:
-                return int(client.is_exist(self._k(key)) != 0)  # b'' is a miss or a failure: ask which
-            data = memoryview(data)
-        if data is None:
-            return int(self._outage(code))
-        with guard.live() as live:
-            if live:
-                sink(data)
-                found[i] = True
-        return 0
 
     async def sizes(self, keys: Sequence[str]) -> list[int]:
         if not keys:
@@ -263,7 +208,7 @@ class MooncakeBackend(Backend):
             codes = await self._run("get_size", lambda c, s, g: [c.get_size(n) for n in names])
         except BackendError:
             return [0] * len(keys)
-        self._failed(sum(self._outage(code) for code in codes))
+        self._failed(sum(outage(code) for code in codes))
         return [max(code, 0) for code in codes]
 
     async def keys(self, prefix: str | None = None) -> AsyncIterator[str]:
@@ -291,11 +236,11 @@ class MooncakeBackend(Backend):
         if not keys:
             return
         if len(keys) != len(values):
-            raise ValueError("keys and values differ in length")
-        guard = Guard()
-        codes = await self._run("put", lambda c, s, g: self._store(c, s, g, keys, values), guard)
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(values)} values")
+        names = [self._k(k) for k in keys]
+        codes = await self._run("put", lambda c, s, g: store(c, s, g, names, values), Guard())
         bad = [code for code in codes if code != 0]
-        self._failed(sum(self._outage(code) and code not in (NO_SPACE, INVALID) for code in bad))
+        self._failed(sum(outage(code) and code not in (NO_SPACE, INVALID) for code in bad))
         self._counts["writes"] += len(keys) - len(bad)
         if not bad:
             return
@@ -307,51 +252,13 @@ class MooncakeBackend(Backend):
             )
         raise BackendError(f"mooncake put failed for {len(bad)} of {len(keys)} keys (codes {sorted(set(bad))})")
 
-    def _store(self, client: Any, slot: Slot, guard: Guard, keys: Sequence[str], values: Sequence[Value]) -> list[int]:
-        """Pack values into the slot and send each full slot with one batch_upsert_from."""
-        codes = [INVALID] * len(keys)
-        batch: list[tuple[int, int, int]] = []  # (index, offset in slot, size)
-
-        def send() -> None:
-            got = client.batch_upsert_from([self._k(keys[i]) for i, _, _ in batch],
-                                           [slot.addr + off for _, off, _ in batch], [n for _, _, n in batch])  # fmt: skip
-            for (i, _, _), code in zip(batch, got):
-                codes[i] = code
-            batch.clear()
-
-        used = 0
-        for i, value in enumerate(values):
-            view = memoryview(value).cast("B")
-            size = len(view)
-            if size == 0:
-                continue  # Mooncake stores no empty objects: refused (INVALID)
-            if size > slot.size:
-                with guard.live() as live:
-                    data = bytes(view) if live else None
-                if data is None:
-                    return codes
-                codes[i] = client.upsert(self._k(keys[i]), data)
-                continue
-            if used + size > slot.size:
-                send()
-                used = 0
-            with guard.live() as live:
-                if not live:
-                    return codes
-                slot.view[used : used + size] = view
-            batch.append((i, used, size))
-            used += size
-        if batch:
-            send()
-        return codes
-
     async def delete(self, keys: Sequence[str]) -> None:
         """Forced removal: a plain remove fails for 10 s after any read (the read lease)."""
         if not keys:
             return
         names = [self._k(k) for k in keys]
         codes = await self._run("delete", lambda c, s, g: c.batch_remove(names, True))
-        failed = sum(self._outage(code) for code in codes)
+        failed = sum(outage(code) for code in codes)
         self._failed(failed)
         self._counts["deletes"] += sum(code == 0 for code in codes)
         if failed:
@@ -381,7 +288,7 @@ class MooncakeBackend(Backend):
             closer = DaemonPool(1, "agentstate-mooncake-close")
             try:
                 await asyncio.wait_for(asyncio.wrap_future(closer.submit(self._close_client)), self.timeout_s)
-            except Exception as exc:  # closing is best effort: the process may be going away
+            except (asyncio.TimeoutError, RuntimeError, BackendError) as exc:  # best effort: we may be exiting
                 log.warning("mooncake close failed (%s: %s)", type(exc).__name__, exc)
             closer.shutdown(wait=False)
 

@@ -97,7 +97,7 @@ class DaemonPool(Executor):
                 continue  # cancelled while queued (its caller timed out): never run it
             try:
                 future.set_result(fn())
-            except BaseException as exc:  # handed to the caller, as ThreadPoolExecutor does
+            except BaseException as exc:  # noqa: BLE001 (handed to the caller, as ThreadPoolExecutor does)
                 future.set_exception(exc)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:

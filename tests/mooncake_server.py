@@ -46,6 +46,11 @@ def die_with_parent() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
 
+def spawn(args: list[str], stdout: Any, stderr: Any) -> subprocess.Popen[bytes]:
+    """A child with the quiet environment that dies with this process."""
+    return subprocess.Popen(args, stdout=stdout, stderr=stderr, env=quiet_env(), preexec_fn=die_with_parent)  # noqa: PLW1509
+
+
 def quiet_env() -> dict[str, str]:
     """Loopback transfers (the engine picks another interface otherwise) and glog errors only."""
     env = dict(os.environ)
@@ -59,7 +64,7 @@ class MooncakeServer:
     def __init__(self, workdir: Path, segment_bytes: int = 256 << 20) -> None:
         os.environ.update({k: v for k, v in quiet_env().items() if k not in os.environ})  # read at import
         try:
-            import mooncake.store  # noqa: F401
+            import mooncake.store
         except ImportError as exc:  # the CUDA wheel, or no wheel at all
             pytest.skip(f"mooncake.store does not import ({exc}); pip install mooncake-transfer-engine-non-cuda")
         import mooncake
@@ -99,12 +104,11 @@ class MooncakeServer:
 
     def start_master(self) -> None:
         log = open(self.workdir / "master.log", "ab")  # noqa: SIM115 (the child owns it)
-        self.master = subprocess.Popen(
+        self.master = spawn(
             [str(self.binary), "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
              "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
              f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
-             f"--metrics_port={self.metrics_port}"],
-            stdout=log, stderr=subprocess.STDOUT, env=quiet_env(), preexec_fn=die_with_parent,
+             f"--metrics_port={self.metrics_port}"], log, subprocess.STDOUT,
         )  # fmt: skip
         log.close()
         deadline = time.monotonic() + 10
@@ -130,10 +134,8 @@ class MooncakeServer:
         log = self.workdir / "storage.log"
         before = len(self.segments())
         with open(log, "ab") as out:
-            self.storage = subprocess.Popen(
-                [sys.executable, "-c", STORAGE_SCRIPT, self.metadata_url, str(self.segment_bytes), self.master_addr],
-                stdout=out, stderr=subprocess.DEVNULL, env=quiet_env(), preexec_fn=die_with_parent,
-            )  # fmt: skip
+            args = [sys.executable, "-c", STORAGE_SCRIPT, self.metadata_url, str(self.segment_bytes), self.master_addr]
+            self.storage = spawn(args, out, subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             text = log.read_text(errors="replace")

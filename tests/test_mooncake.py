@@ -28,7 +28,9 @@ async def read_all(backend: object, keys: list[str]) -> tuple[list[bool], dict[i
     return found, got
 
 
-async def test_a_prefix_stored_on_one_host_loads_bit_exact_on_another(tmp_path: Path, mooncake_store: MooncakeServer) -> None:
+async def test_a_prefix_stored_on_one_host_loads_bit_exact_on_another(
+    tmp_path: Path, mooncake_store: MooncakeServer
+) -> None:
     tiers = [TierConfig(kind="host", capacity_bytes=64 << 20), TierConfig(kind="lmdb"),
              mooncake_tier(mooncake_store, "t-prefix:")]  # fmt: skip
     tokens, kv = random_tokens(300, seed=41), random_kv(SPEC4, 300, seed=41)
@@ -72,7 +74,9 @@ async def test_mooncake_alone_cannot_back_a_shared_catalog(tmp_path: Path, moonc
         mooncake_tier(mooncake_store, "x:", ttl_seconds=5)
 
 
-async def test_overwrite_returns_the_new_bytes_and_big_values_take_the_plain_path(mooncake_store: MooncakeServer) -> None:
+async def test_overwrite_returns_the_new_bytes_and_big_values_take_the_plain_path(
+    mooncake_store: MooncakeServer,
+) -> None:
     """`put` in Mooncake keeps the old value of an existing key; the tier upserts. A value larger
     than an arena slot (4 MiB here) goes through plain upsert/get; an empty one is refused."""
     b = mooncake_store.backend(prefix="t-overwrite:")
