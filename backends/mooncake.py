@@ -154,15 +154,20 @@ class MooncakeBackend(Backend):
         if self._gate is None:
             self._gate = asyncio.Semaphore(self._threads)  # the timeout covers the call, not a queue
         loop = asyncio.get_running_loop()
+        returned = False
         try:
             async with self._gate:
-                return await asyncio.wait_for(loop.run_in_executor(self._pool, self._work, fn, guard), self.timeout_s)
+                result = await asyncio.wait_for(loop.run_in_executor(self._pool, self._work, fn, guard), self.timeout_s)
+            returned = True
+            return result
         except Exception as exc:
-            guard.abandon()
             self._failed(1)
             reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
             log.warning("mooncake %s failed (%s)", what, reason)
             raise BackendError(f"mooncake {what} failed: {reason}") from exc
+        finally:
+            if not returned:  # timed out, failed or cancelled: the worker must not touch caller memory
+                guard.abandon()
 
     def _failed(self, count: int) -> None:
         """Record `count` failed keys (one breaker failure per call), or a healthy call when 0."""

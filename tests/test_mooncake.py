@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import time
 from pathlib import Path
@@ -154,3 +155,85 @@ async def test_master_down_calls_are_bounded_by_the_timeout(tmp_path: Path) -> N
             await asyncio.sleep(0.1)
         assert b.busy == 0
         server.stop()
+
+
+class FakeClient:
+    """The slice of MooncakeDistributedStore the slot functions use, over a dict: raw addresses
+    in and out as the real client takes them, and its return codes (-704 missing, -600 too small)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.calls: list[str] = []
+
+    def batch_upsert_from(self, names: list[str], addrs: list[int], sizes: list[int]) -> list[int]:
+        self.calls.append("batch_upsert_from")
+        for name, addr, size in zip(names, addrs, sizes):
+            self.data[name] = ctypes.string_at(addr, size)
+        return [0] * len(names)
+
+    def upsert(self, name: str, value: bytes) -> int:
+        self.calls.append("upsert")
+        self.data[name] = bytes(value)
+        return 0
+
+    def batch_get_into(self, names: list[str], addrs: list[int], sizes: list[int]) -> list[int]:
+        self.calls.append("batch_get_into")
+        return [self._into(n, a, s) for n, a, s in zip(names, addrs, sizes)]
+
+    def get_into(self, name: str, addr: int, size: int) -> int:
+        self.calls.append("get_into")
+        return self._into(name, addr, size)
+
+    def _into(self, name: str, addr: int, size: int) -> int:
+        if name not in self.data:
+            return -704
+        value = self.data[name]
+        if len(value) > size:
+            return -600
+        ctypes.memmove(addr, value, len(value))
+        return len(value)
+
+    def get(self, name: str) -> bytes:
+        self.calls.append("get")
+        return self.data.get(name, b"")
+
+    def is_exist(self, name: str) -> int:
+        return int(name in self.data)
+
+
+def test_slot_writes_pack_batches_and_reads_fall_back_for_values_larger_than_their_share() -> None:
+    from agentstate.backends.mooncake_io import Arena, Guard
+    from agentstate.backends.mooncake_ops import INVALID, fetch, store
+
+    arena, client = Arena(1 << 20, 4), FakeClient()  # 256 KiB slots
+    values = [os.urandom(40 << 10) for _ in range(10)] + [os.urandom(300 << 10), b""]
+    names = [f"k{i}" for i in range(len(values))]
+    with arena.slot() as slot:
+        codes = store(client, slot, Guard(), names, values)
+        assert codes == [0] * 11 + [INVALID]  # the empty value is refused, not sent
+        assert client.calls == ["batch_upsert_from", "upsert", "batch_upsert_from"]  # 6 fit a slot, then 4
+        got: dict[int, bytes] = {}
+        found = [False] * 13
+        failed = fetch(
+            client, slot, Guard(), [*names[:11], "none", names[0]], lambda i, v: got.__setitem__(i, bytes(v)), found
+        )
+    assert failed == 0 and found == [True] * 11 + [False, True]
+    assert got == {**dict(enumerate(values[:11])), 12: values[0]}
+    # groups of 4 keys, 64 KiB each (MIN_SHARE); the 300 KiB value again alone, then by plain get
+    assert client.calls[3:] == ["batch_get_into"] * 3 + ["get_into", "get", "batch_get_into"]
+
+
+def test_an_abandoned_call_never_touches_caller_memory() -> None:
+    """A call whose caller timed out or was cancelled: no sink runs, no value is copied or sent."""
+    from agentstate.backends.mooncake_io import Arena, Guard
+    from agentstate.backends.mooncake_ops import fetch, store
+
+    arena, client = Arena(1 << 20, 1), FakeClient()
+    client.data["k"] = b"v" * 100
+    gone = Guard()
+    gone.abandon()
+    with arena.slot() as slot:
+        store(client, slot, gone, ["a", "big"], [b"x" * 10, b"y" * (2 << 20)])
+        seen: list[int] = []
+        fetch(client, slot, gone, ["k"], lambda i, v: seen.append(i), [False])
+    assert seen == [] and set(client.data) == {"k"} and "upsert" not in client.calls
