@@ -140,10 +140,13 @@ class SessionOps(StoreBase):
         keys: list[str] = [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
         with self._pinned(keys):
             await self.manager.discover(keys)
-            ok = await self._transfer.read(keys, self._spans(len(manifest.chunk_keys), manifest.num_tokens), target)
+            # the manifest's chunk size, not this store's: a directory reopened with another
+            # chunk_tokens still resumes what it holds
+            spans = self._spans(len(manifest.chunk_keys), manifest.num_tokens, manifest.chunk_tokens)
+            ok = await self._transfer.read(keys, spans, target)
         target.synchronize()
         lead = _leading(ok)
-        restored = manifest.num_tokens if lead == len(keys) else lead * self.chunk_tokens
+        restored = manifest.num_tokens if lead == len(keys) else lead * manifest.chunk_tokens
         if restored < manifest.num_tokens:
             log.warning(
                 "session %s resumed %d of %d tokens: stored data missing or corrupt",

@@ -270,9 +270,10 @@ class StoreBase:
             )
         return TensorTarget(into, self.spec)
 
-    def _spans(self, count: int, total: int | None = None) -> list[Span]:
-        """Spans of `count` full chunks, plus a tail running to `total` tokens when given."""
-        c = self.chunk_tokens
+    def _spans(self, count: int, total: int | None = None, chunk_tokens: int | None = None) -> list[Span]:
+        """Spans of `count` full chunks (of `chunk_tokens`, default this store's), plus a tail
+        running to `total` tokens when given."""
+        c = chunk_tokens or self.chunk_tokens
         spans = [(i * c, c) for i in range(count)]
         if total is not None and total > count * c:
             spans.append((count * c, total - count * c))

@@ -132,3 +132,16 @@ async def test_tenant_views_share_tiers_but_never_sessions_or_chunks(store: Stat
     await b.close()  # a view closes nothing
     assert bits_equal((await a.resume("s1")).kv, kv)
     assert (await a.match(tokens)).tokens == 192
+
+
+async def test_a_directory_reopened_with_another_chunk_size_resumes_what_it_holds(tmp_path: Path) -> None:
+    """Chunk size is store configuration, not recorded in the directory: the manifest's own chunk
+    size decides the spans (a store reopened with the default raised IndexError before)."""
+    toks, kv = random_tokens(300), random_kv(SPEC4, 300)
+    async with StateStore.open(tmp_path, SPEC4, chunk_tokens=32) as store:
+        await store.snapshot("s", toks, kv)
+    async with StateStore.open(tmp_path, SPEC4, chunk_tokens=128) as store:
+        r = await store.resume("s")
+        assert r.complete and bits_equal(r.kv, kv)
+        await store.snapshot("s", toks, kv)  # rewritten in this store's chunks
+        assert (await store.session("s")).chunk_tokens == 128 and bits_equal((await store.resume("s")).kv, kv)
