@@ -31,6 +31,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from agentstate import StateStore
+from agentstate.admin import record_spec
 from agentstate.errors import SessionNotFoundError
 
 REPLY_TOKENS = 8
@@ -89,7 +90,9 @@ def _decode(model: Any, first: int, cache: Any) -> tuple[list[int], Any]:
 def _script(agents: int, turns: int, system_tokens: int, user_tokens: int) -> tuple[list[int], list[list[list[int]]]]:
     g = torch.Generator().manual_seed(1)
     system = torch.randint(0, VOCAB, (system_tokens,), generator=g).tolist()
-    users = [[torch.randint(0, VOCAB, (user_tokens,), generator=g).tolist() for _ in range(turns)] for _ in range(agents)]
+    users = [
+        [torch.randint(0, VOCAB, (user_tokens,), generator=g).tolist() for _ in range(turns)] for _ in range(agents)
+    ]
     return system, users
 
 
@@ -122,6 +125,7 @@ async def run_stored(
     out: list[Turn] = []
     turns = len(users[0])
     pending: dict[int, int] = {}  # each agent's last reply token: sampled, not yet fed to the model
+    record_spec(data_dir, spec)  # so `agentstate ls -p DIR` and the other admin commands open it
     store = await StateStore.open(data_dir, spec)
     try:
         for turn in range(turns):
@@ -199,7 +203,9 @@ def run_demo(
         result.baseline = run_baseline(model, system, users, progress)
         result.stored, result.stored_bytes = asyncio.run(run_stored(model, data_dir, system, users, progress))
     token_bytes = 2 * model.config.num_hidden_layers * 2 * 64 * 4
-    result.logical_bytes = sum(t.prompt_tokens + REPLY_TOKENS - 1 for t in result.stored if t.turn == turns - 1) * token_bytes
+    result.logical_bytes = (
+        sum(t.prompt_tokens + REPLY_TOKENS - 1 for t in result.stored if t.turn == turns - 1) * token_bytes
+    )
     result.png = plot(result, data_dir / "demo_ttft.png")
     return result
 
@@ -222,7 +228,11 @@ def print_result(r: DemoResult, console: Console) -> None:
     table.add_row("TTFT, mean", ms(base, "mean"), ms(ours, "mean"))
     table.add_row("TTFT, median", ms(base, "p50"), ms(ours, "p50"))
     later = [t for t in ours if t.turn > 0]
-    table.add_row("TTFT, returning agents (mean)", ms([t for t in base if t.turn > 0], "mean"), ms(later, "mean") if later else "-")
+    table.add_row(
+        "TTFT, returning agents (mean)",
+        ms([t for t in base if t.turn > 0], "mean"),
+        ms(later, "mean") if later else "-",
+    )
     table.add_row("prompt tokens served from the store", "0%", hit(ours))
     speedup = statistics.mean(t.ttft_s for t in base) / statistics.mean(t.ttft_s for t in ours)
     table.add_row("TTFT speedup", "1.0x", f"[bold]{speedup:.1f}x[/bold]")
@@ -234,7 +244,7 @@ def print_result(r: DemoResult, console: Console) -> None:
         console.print(f"plot: {r.png}")
 
 
-def main(data_dir: Path | None, agents: int, turns: int, keep: bool) -> bool:
+def main(data_dir: Path | None, agents: int, turns: int) -> bool:
     """Run the demo in `data_dir` (default ./agentstate-demo, emptied first and kept, plot inside)."""
     console = Console()
     path = data_dir or Path("agentstate-demo")

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from agentstate.admin import record_spec, recorded_spec
 from agentstate.config import StoreConfig
 from agentstate.dataplane import Handles, register
 from agentstate.errors import AgentStateError, InvalidArgumentError
@@ -49,7 +50,6 @@ from agentstate.wire import (
 
 __all__ = ["Limits", "create_app", "run", "serve"]
 log = logging.getLogger("agentstate.service")
-SPEC_FILE = "spec.json"
 DEMO_SPEC = ModelSpec(model_id="agentstate/demo-llama-8b-shape", num_layers=32, num_kv_heads=8, head_dim=128)
 """What `run` serves when given no spec and none is recorded: a Llama-3-8B KV shape, for trying it out."""
 _FRAME_BODY = {
@@ -264,18 +264,13 @@ def load_tokens(tokens_file: Path | None) -> dict[str, str]:
 
 
 def resolve_spec(path: Path, spec: ModelSpec | None) -> ModelSpec:
-    recorded = Path(path) / SPEC_FILE
+    """The spec given (recorded in `path` if none is yet), else the recorded one, else DEMO_SPEC."""
     if spec is not None:
-        if not recorded.exists():
-            recorded.parent.mkdir(parents=True, exist_ok=True)
-            tmp = recorded.with_suffix(".tmp")
-            tmp.write_text(spec.model_dump_json(indent=2))
-            tmp.replace(recorded)
+        if recorded_spec(path) is None:
+            record_spec(path, spec)
         return spec
-    if recorded.exists():
-        try:
-            return ModelSpec.model_validate_json(recorded.read_text())
-        except ValidationError as exc:
-            raise InvalidArgumentError(f"{recorded} is not a ModelSpec: {exc}") from None
+    recorded = recorded_spec(path)
+    if recorded is not None:
+        return recorded
     log.warning("no spec given and none recorded in %s: serving the demo spec %s", path, DEMO_SPEC.model_id)
     return DEMO_SPEC

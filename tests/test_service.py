@@ -24,9 +24,10 @@ import torch
 import uvicorn
 
 from agentstate import StateStore
+from agentstate.admin import SPEC_FILE
 from agentstate.errors import InvalidArgumentError
 from agentstate.gate import Limits, tenant_table
-from agentstate.service import DEMO_SPEC, SPEC_FILE, create_app, load_tokens, resolve_spec
+from agentstate.service import DEMO_SPEC, create_app, load_tokens, resolve_spec
 from agentstate.wire import FRAME_TYPE, checksum, kv_payload
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 

@@ -1,0 +1,353 @@
+"""Admin operations behind `agentstate ls | inspect | stats | evict | gc` (verify lives in
+`agentstate.verify`, export and import in `agentstate.archive`).
+
+Each operation takes an open StateStore and returns a pydantic model, so the CLI only parses
+arguments and prints (`--json` is `model_dump_json`). `open_store` finds a data directory's
+ModelSpec the way `agentstate serve` records it (`<path>/spec.json`), and refuses to guess one:
+opening a directory under the wrong spec would show it as empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ValidationError
+
+from agentstate import codec
+from agentstate.config import StoreConfig
+from agentstate.errors import InvalidArgumentError, NotFoundError, SpecMismatchError
+from agentstate.keys import validate_id
+from agentstate.manifest import SessionManifest
+from agentstate.spec import ModelSpec
+from agentstate.store import StateStore, StoreStats
+from agentstate.tiers import Tier
+
+SPEC_FILE = "spec.json"
+"""Where a data directory records its ModelSpec (the file `agentstate serve` writes)."""
+
+
+class Progress(Protocol):
+    """Where long operations report progress (the CLI draws a rich bar; library callers pass nothing)."""
+
+    def start(self, description: str, total: int) -> None: ...
+
+    def advance(self, n: int = 1) -> None: ...
+
+
+class _Quiet:
+    def start(self, description: str, total: int) -> None:
+        pass
+
+    def advance(self, n: int = 1) -> None:
+        pass
+
+
+QUIET: Progress = _Quiet()
+
+
+# -- opening a data directory ----------------------------------------------------------------------
+
+
+def read_spec_file(file: Path) -> ModelSpec:
+    try:
+        return ModelSpec.model_validate_json(Path(file).read_text())
+    except FileNotFoundError:
+        raise NotFoundError(f"no spec file {file}") from None
+    except (OSError, ValidationError) as exc:
+        raise InvalidArgumentError(f"{file} is not a ModelSpec (JSON): {_short(exc)}") from None
+
+
+def recorded_spec(path: Path) -> ModelSpec | None:
+    file = Path(path) / SPEC_FILE
+    return read_spec_file(file) if file.exists() else None
+
+
+def record_spec(path: Path, spec: ModelSpec) -> None:
+    """Record `spec` as the directory's spec (atomically), as `agentstate serve` does."""
+    file = Path(path) / SPEC_FILE
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(".tmp")
+    tmp.write_text(spec.model_dump_json(indent=2))
+    tmp.replace(file)
+
+
+def resolve_spec(path: Path, spec_file: Path | None) -> ModelSpec:
+    """The spec to open `path` with: `spec_file`, else the recorded one; they must agree."""
+    given = read_spec_file(spec_file) if spec_file is not None else None
+    recorded = recorded_spec(path)
+    if given is not None and recorded is not None and given.fingerprint != recorded.fingerprint:
+        raise SpecMismatchError(
+            f"{spec_file} is spec {given.fingerprint}, {path} records {recorded.fingerprint} in {SPEC_FILE}"
+        )
+    spec = given or recorded
+    if spec is None:
+        raise NotFoundError(f"no ModelSpec recorded in {Path(path) / SPEC_FILE}: pass --spec FILE (ModelSpec JSON)")
+    return spec
+
+
+def store_config(path: Path, tenant: str | None = None) -> StoreConfig:
+    """StoreConfig for `path`; everything else from `AGENTSTATE_*` env vars, like the service."""
+    if tenant is not None:
+        validate_id(tenant, "tenant")
+    try:
+        return StoreConfig(path=Path(path)) if tenant is None else StoreConfig(path=Path(path), tenant=tenant)
+    except ValidationError as exc:
+        raise InvalidArgumentError(f"invalid store configuration (AGENTSTATE_* env vars): {_short(exc)}") from None
+
+
+def is_store(config: StoreConfig) -> bool:
+    return (Path(config.path) / "catalog").is_dir() or config.catalog_url is not None
+
+
+@contextlib.asynccontextmanager
+async def open_store(
+    path: Path, *, tenant: str | None = None, spec_file: Path | None = None, spec: ModelSpec | None = None,
+    create: bool = False,
+) -> AsyncIterator[StateStore]:  # fmt: skip
+    """Open an existing data directory (or create one, for import) under its recorded spec."""
+    config = store_config(path, tenant)
+    if not create and not is_store(config):
+        raise NotFoundError(f"no agentstate data directory at {path}")
+    async with StateStore.open(config, spec or resolve_spec(path, spec_file)) as store:
+        yield store
+
+
+def _short(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()[:3])
+    return str(exc)
+
+
+# -- ls / inspect ------------------------------------------------------------------------------------
+
+
+class SessionRow(BaseModel):
+    """One line of `ls`. `bytes` is the stored size of what the session names (shared chunks count
+    in every session that names them; `stats` has the deduplicated total)."""
+
+    session_id: str
+    tenant: str
+    version: int
+    tokens: int
+    chunks: int
+    tail_tokens: int
+    bytes: int
+    parent: str | None
+    pinned: bool
+    ttl_seconds: float | None
+    created_at: float
+    updated_at: float
+
+
+class ChunkInfo(BaseModel):
+    index: int
+    kind: Literal["chunk", "tail"]
+    key: str
+    first_token: int
+    tokens: int
+    bytes: int
+    tiers: list[str]
+    """tiers holding a copy, fastest first; empty: the chunk is missing (a resume stops before it)"""
+
+
+class SessionDetail(BaseModel):
+    session_id: str
+    tenant: str
+    fingerprint: str
+    version: int
+    parent: str | None
+    chunk_tokens: int
+    num_tokens: int
+    tail_tokens: int
+    tail_key: str | None
+    created_at: float
+    updated_at: float
+    ttl_seconds: float | None
+    pinned: bool
+    state: dict[str, object]
+    bytes: int
+    missing: int
+    chunks: list[ChunkInfo]
+
+
+def stored_size(spec: ModelSpec, tokens: int) -> int:
+    return codec.encoded_size(tokens * spec.token_bytes)
+
+
+def session_keys(manifest: SessionManifest) -> list[str]:
+    return [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
+
+
+def _row(store: StateStore, m: SessionManifest) -> SessionRow:
+    size = len(m.chunk_keys) * stored_size(store.spec, m.chunk_tokens)
+    size += stored_size(store.spec, m.tail_tokens) if m.tail_key else 0
+    return SessionRow(
+        session_id=m.session_id, tenant=m.tenant, version=m.version, tokens=m.num_tokens, chunks=len(m.chunk_keys),
+        tail_tokens=m.tail_tokens, bytes=size, parent=m.parent, pinned=m.pinned, ttl_seconds=m.ttl_seconds,
+        created_at=m.created_at, updated_at=m.updated_at,
+    )  # fmt: skip
+
+
+async def list_sessions(store: StateStore) -> list[SessionRow]:
+    """This tenant's live sessions (expired ones are gc's), sorted by id."""
+    return sorted([_row(store, m) async for m in store.sessions()], key=lambda r: r.session_id)
+
+
+async def inspect_session(store: StateStore, session_id: str) -> SessionDetail:
+    """A session's manifest, and for every chunk: its key, size and which tiers hold it."""
+    m = await store.session(session_id)
+    keys = session_keys(m)
+    await store.manager.discover(keys)
+    chunks = []
+    for i, key in enumerate(keys):
+        tail = i == len(m.chunk_keys)
+        holders = store.manager.holders(key)
+        size = (await holders[0].backend.sizes([key]))[0] if holders else 0
+        info = ChunkInfo(
+            index=i, kind="tail" if tail else "chunk", key=key, first_token=i * m.chunk_tokens,
+            tokens=m.tail_tokens if tail else m.chunk_tokens, bytes=size, tiers=[t.name for t in holders],
+        )  # fmt: skip
+        chunks.append(info)
+    return SessionDetail(
+        session_id=m.session_id, tenant=m.tenant, fingerprint=m.fingerprint, version=m.version, parent=m.parent,
+        chunk_tokens=m.chunk_tokens, num_tokens=m.num_tokens, tail_tokens=m.tail_tokens, tail_key=m.tail_key,
+        created_at=m.created_at, updated_at=m.updated_at, ttl_seconds=m.ttl_seconds, pinned=m.pinned, state=m.state,
+        bytes=sum(c.bytes for c in chunks), missing=sum(not c.tiers for c in chunks), chunks=chunks,
+    )  # fmt: skip
+
+
+# -- stats / gc / evict ------------------------------------------------------------------------------
+
+
+class TierInfo(BaseModel):
+    name: str
+    record: bool
+    durable: bool
+    remote: bool
+    capacity_bytes: int | None
+    """the cache budget this store evicts to (None: unbounded, or the backend's own limit)"""
+    chunks: int
+    """keys this process accounts to the tier (a host tier is empty in a freshly started process)"""
+
+
+class StatsReport(BaseModel):
+    path: str
+    spec: ModelSpec
+    chunk_tokens: int
+    store: StoreStats
+    tiers: list[TierInfo]
+    tenant_sessions: int
+    session_tokens: int
+    unique_chunks: int
+    tails: int
+    logical_bytes: int
+    """what the tenant's sessions would take stored one by one"""
+    unique_bytes: int
+    """what they take with shared chunks stored once"""
+
+
+async def stats(store: StateStore) -> StatsReport:
+    found = [m async for m in store.sessions()]
+    chunks = {k: m.chunk_tokens for m in found for k in m.chunk_keys}
+    tails = [m for m in found if m.tail_key]
+    unique = sum(stored_size(store.spec, n) for n in chunks.values())
+    unique += sum(stored_size(store.spec, m.tail_tokens) for m in tails)
+    return StatsReport(
+        path=str(store.config.path), spec=store.spec, chunk_tokens=store.chunk_tokens, store=await store.stats(),
+        tiers=[_tier_info(store, t) for t in store.manager.tiers], tenant_sessions=len(found),
+        session_tokens=sum(m.num_tokens for m in found), unique_chunks=len(chunks), tails=len(tails),
+        logical_bytes=sum(_row(store, m).bytes for m in found), unique_bytes=unique,
+    )  # fmt: skip
+
+
+def _tier_info(store: StateStore, tier: Tier) -> TierInfo:
+    b = tier.backend
+    return TierInfo(
+        name=tier.name, record=tier is store.record, durable=b.durable, remote=b.remote,
+        capacity_bytes=tier.capacity, chunks=len(tier.lru),
+    )  # fmt: skip
+
+
+class GcReport(BaseModel):
+    removed: int
+    """expired sessions, plus chunks and tails no manifest or prefix references"""
+
+
+async def gc(store: StateStore) -> GcReport:
+    return GcReport(removed=await store.gc())
+
+
+class EvictReport(BaseModel):
+    tier: str
+    evicted: int
+    evicted_bytes: int
+    demoted: int
+    """evicted chunks no lower tier held, written down first (never the last copy)"""
+    skipped_pinned: int
+    used_before: int
+    used_after: int
+
+
+def cache_tier(store: StateStore, name: str) -> Tier:
+    """A tier `evict` may drop copies from: any but the record tier and shared remote tiers."""
+    names = [t.name for t in store.manager.tiers]
+    if name not in names:
+        raise InvalidArgumentError(f"no tier {name!r}; this store has {names}")
+    tier = store.manager.tier(name)
+    if tier is store.record:
+        raise InvalidArgumentError(
+            f"{name!r} is the record tier: it holds the durable copy of every session (use delete or gc)"
+        )
+    if tier.backend.remote:
+        raise InvalidArgumentError(f"{name!r} is shared with other hosts; evict from it there, not from here")
+    return tier
+
+
+async def evict(
+    store: StateStore, tier_name: str, *, budget_bytes: int | None = None, sessions: Sequence[str] = ()
+) -> EvictReport:
+    """Drop cached copies from a cache tier: oldest first until it uses at most `budget_bytes`
+    (0: all), or every chunk and tail of `sessions`. A chunk no lower tier holds is written down
+    before it goes (the tier manager's eviction), so no session loses data; pinned chunks stay.
+
+    Host and device tiers are memory of the process that opened the store: in a separate CLI
+    process they are empty, so this matters for persistent cache tiers (a file tier over LMDB) or
+    when called inside a serving process.
+    """
+    if (budget_bytes is None) == (not sessions):
+        raise InvalidArgumentError("evict needs either a byte budget or sessions, not both")
+    if budget_bytes is not None and budget_bytes < 0:
+        raise InvalidArgumentError(f"byte budget must be >= 0, got {budget_bytes}")
+    tier = cache_tier(store, tier_name)
+    wanted = [k for sid in sessions for k in session_keys(await store.session(sid))]
+    demoted_before = store.manager.counts["demotions"]
+    async with tier.lock:
+        keys = list(tier.lru)
+        sizes = dict(tier.lru) if tier.capacity is not None else dict(zip(keys, await tier.backend.sizes(keys)))
+        used = before = sum(sizes.values())
+        victims = [k for k in dict.fromkeys(wanted) if k in sizes] if sessions else keys
+        evicted = evicted_bytes = skipped = 0
+        for key in victims:
+            if budget_bytes is not None and used <= budget_bytes:
+                break
+            if store.index.pinned(key) or key in tier.inflight:
+                skipped += 1
+                continue
+            await store.manager._evict(tier, key)
+            evicted, evicted_bytes, used = evicted + 1, evicted_bytes + sizes[key], used - sizes[key]
+    return EvictReport(
+        tier=tier.name, evicted=evicted, evicted_bytes=evicted_bytes,
+        demoted=store.manager.counts["demotions"] - demoted_before, skipped_pinned=skipped,
+        used_before=before, used_after=used,
+    )  # fmt: skip
+
+
+def dumps(model: BaseModel | Sequence[BaseModel]) -> str:
+    """JSON of a report (a list of rows included) for `--json`."""
+    if isinstance(model, BaseModel):
+        return model.model_dump_json(indent=2)
+    return json.dumps([m.model_dump(mode="json") for m in model], indent=2)

@@ -1,0 +1,371 @@
+"""`agentstate export` / `import`: a portable archive of sessions.
+
+An archive is a plain, uncompressed tar (inspectable with `tar tvf`) holding
+
+- `chunks/NNNNNN.kv`: one codec frame per distinct chunk or tail (magic, fingerprint, dtype, shape,
+  xxh3 of the payload), each stored once however many exported sessions name it;
+- `index.json`, written last: format and version, the ModelSpec and its fingerprint, every
+  session (tenant, id, tokens, state, TTL, pin, which members hold its KV), and the size and xxh3
+  of every member.
+
+Nothing in an archive is ever unpickled or extracted to the filesystem: members are read as bytes
+and checked by the codec. Import checks the whole archive (member checksums, every chunk decoded
+under the target's spec, token counts, ids, conflicts) before it writes anything, then stores each
+session with `snapshot`, so keys are rebuilt for the target (another tenant, another chunk size)
+and shared chunks are deduplicated there as anywhere else.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agentstate import codec
+from agentstate.admin import QUIET, Progress
+from agentstate.errors import (
+    AgentStateError,
+    ConflictError,
+    CorruptDataError,
+    InvalidArgumentError,
+    NotFoundError,
+    SpecMismatchError,
+)
+from agentstate.keys import validate_id
+from agentstate.manifest import SessionManifest
+from agentstate.spec import ModelSpec
+from agentstate.store import StateStore
+
+FORMAT: Literal["agentstate-archive"] = "agentstate-archive"
+FORMAT_VERSION = 1
+INDEX = "index.json"
+_MAX_INDEX_BYTES = 1 << 30
+
+
+class Member(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    size: int = Field(ge=0)
+    xxh3: str = Field(pattern=r"^[0-9a-f]{16}$")
+
+
+class ArchivedSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str
+    session_id: str
+    tokens: list[int]
+    state: dict[str, Any]
+    ttl_seconds: float | None = Field(default=None, gt=0)
+    pinned: bool = False
+    parent: str | None = None
+    chunk_tokens: int = Field(gt=0)
+    chunks: list[str]
+    """members holding the session's full chunks, in token order"""
+    tail: str | None = None
+    """member holding the tokens after the last full chunk"""
+
+
+class ArchiveIndex(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["agentstate-archive"]
+    format_version: int
+    created_at: float
+    spec: ModelSpec
+    fingerprint: str
+    sessions: list[ArchivedSession]
+    members: dict[str, Member]
+
+
+class ExportReport(BaseModel):
+    archive: str
+    sessions: int
+    tokens: int
+    chunks: int
+    """distinct chunk and tail members written (shared chunks once)"""
+    bytes: int
+
+
+class ImportReport(BaseModel):
+    archive: str
+    sessions: int
+    tokens: int
+    replaced: int
+    """sessions that existed in the target and were overwritten (`force`)"""
+
+
+# -- export ------------------------------------------------------------------------------------------
+
+
+async def export_sessions(
+    store: StateStore, dest: Path, *, session_ids: Sequence[str] = (), all_tenants: bool = False,
+    progress: Progress = QUIET,
+) -> ExportReport:  # fmt: skip
+    """Write the store's sessions (the ones named, or all of this tenant's, or of every tenant)
+    to the archive `dest`, atomically (a temporary file renamed at the end).
+
+    Each session is resumed, so every byte exported has passed its checksum; a session that cannot
+    be restored completely (missing or corrupt chunks) stops the export with CorruptDataError
+    naming it, since an archive that silently lost KV would be worse than none: run `verify`.
+    """
+    manifests = await _selected(store, session_ids, all_tenants)
+    dest = Path(dest)
+    tmp = dest.with_name(dest.name + ".partial")
+    members: dict[str, Member] = {}
+    by_key: dict[str, str] = {}
+    archived: list[ArchivedSession] = []
+    progress.start("export", sum(m.num_tokens for m in manifests))
+    try:
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+            for m in manifests:
+                result = await store.for_tenant(m.tenant).resume(m.session_id)
+                if not result.complete or result.kv is None:
+                    raise CorruptDataError(
+                        f"session {m.tenant}/{m.session_id}: only {result.restored_tokens} of {m.num_tokens} "
+                        "tokens restore (missing or corrupt chunks); run `agentstate verify` first"
+                    )
+                m, kv, ct = result.manifest, result.kv, result.manifest.chunk_tokens
+                spans: list[tuple[str, int, int]] = [(k, i * ct, (i + 1) * ct) for i, k in enumerate(m.chunk_keys)]
+                if m.tail_key:
+                    spans.append((m.tail_key, len(m.chunk_keys) * ct, m.num_tokens))
+                names = []
+                for key, a, b in spans:
+                    if key not in by_key:
+                        by_key[key] = _add(tar, members, codec.encode(kv[:, :, a:b], store.fingerprint))
+                    names.append(by_key[key])
+                entry = ArchivedSession(
+                    tenant=m.tenant, session_id=m.session_id, tokens=m.tokens, state=m.state,
+                    ttl_seconds=m.ttl_seconds, pinned=m.pinned, parent=m.parent, chunk_tokens=ct,
+                    chunks=names[: len(m.chunk_keys)], tail=names[len(m.chunk_keys)] if m.tail_key else None,
+                )  # fmt: skip
+                archived.append(entry)
+                progress.advance(m.num_tokens)
+            index = ArchiveIndex(
+                format=FORMAT, format_version=FORMAT_VERSION, created_at=time.time(), spec=store.spec,
+                fingerprint=store.fingerprint, sessions=archived, members=members,
+            )  # fmt: skip
+            _put(tar, INDEX, index.model_dump_json(indent=1).encode())
+        tmp.replace(dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return ExportReport(
+        archive=str(dest), sessions=len(archived), tokens=sum(len(s.tokens) for s in archived),
+        chunks=len(members), bytes=dest.stat().st_size,
+    )  # fmt: skip
+
+
+async def _selected(store: StateStore, session_ids: Sequence[str], all_tenants: bool) -> list[SessionManifest]:
+    if session_ids and all_tenants:
+        raise InvalidArgumentError("name sessions or pass all_tenants, not both")
+    if session_ids:
+        return [await store.session(sid) for sid in dict.fromkeys(session_ids)]
+    found = await store._catalog.manifests(None) if all_tenants else [m async for m in store.sessions()]
+    live = [m for m in found if m.fingerprint == store.fingerprint and not m.expired()]
+    return sorted(live, key=lambda m: (m.tenant, m.session_id))
+
+
+def _add(tar: tarfile.TarFile, members: dict[str, Member], data: codec.Buffer) -> str:
+    name = f"chunks/{len(members):06d}.kv"
+    _put(tar, name, data)
+    members[name] = Member(size=len(data), xxh3=xxhash.xxh3_64_hexdigest(data))
+    return name
+
+
+def _put(tar: tarfile.TarFile, name: str, data: codec.Buffer) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+    tar.addfile(info, io.BytesIO(data))
+
+
+# -- import ------------------------------------------------------------------------------------------
+
+
+async def import_sessions(
+    store: StateStore, source: Path, *, tenant: str | None = None, force: bool = False, progress: Progress = QUIET
+) -> ImportReport:
+    """Store every session of the archive `source` in `store`: in its recorded tenant, or all in
+    `tenant` when given. Nothing is written until the whole archive checks out:
+
+    - SpecMismatchError: the archive holds KV of another model spec than the store serves;
+    - CorruptDataError: not an agentstate archive, a member damaged, missing or not a valid chunk
+      of the spec, token counts that disagree with the chunks;
+    - ConflictError: a session already exists in the target (`force=True` overwrites it).
+    """
+    source = Path(source)
+    with _open(source) as tar:
+        index = _read_index(tar, source)
+        if index.fingerprint != store.fingerprint:
+            raise SpecMismatchError(
+                f"{source} holds KV of spec {index.fingerprint} ({index.spec.model_id}); "
+                f"this store serves {store.fingerprint} ({store.spec.model_id})"
+            )
+        targets = [(tenant or s.tenant, s) for s in index.sessions]
+        await _check(store, tar, index, targets, force=force, progress=progress)
+        replaced = 0
+        progress.start("import", sum(len(s.tokens) for s in index.sessions))
+        for owner, s in targets:
+            kv = torch.empty(store.spec.kv_shape(len(s.tokens)), dtype=store.spec.torch_dtype)
+            for i, name in enumerate([*s.chunks, *([s.tail] if s.tail else [])]):
+                a = i * s.chunk_tokens
+                b = min(a + s.chunk_tokens, len(s.tokens))
+                codec.decode_into(_member(tar, name, index), kv[:, :, a:b], fingerprint=store.fingerprint)
+            scoped = store.for_tenant(owner)
+            replaced += await _exists(scoped, s.session_id)
+            await scoped.snapshot(
+                s.session_id, s.tokens, kv, s.state, ttl_seconds=s.ttl_seconds, pinned=s.pinned, force=force
+            )
+            progress.advance(len(s.tokens))
+    return ImportReport(
+        archive=str(source), sessions=len(targets), tokens=sum(len(s.tokens) for _, s in targets), replaced=replaced
+    )
+
+
+async def _check(
+    store: StateStore, tar: _Archive, index: ArchiveIndex, targets: list[tuple[str, ArchivedSession]],
+    *, force: bool, progress: Progress,
+) -> None:  # fmt: skip
+    """Every check import makes, before anything is written."""
+    seen: set[tuple[str, str]] = set()
+    tokens_of: dict[str, int] = {}
+    for owner, s in targets:
+        try:
+            validate_id(owner, "tenant")
+            validate_id(s.session_id)
+        except InvalidArgumentError as exc:
+            raise CorruptDataError(f"archive names an invalid session: {exc}") from None
+        if (owner, s.session_id) in seen:
+            raise CorruptDataError(f"archive holds session {owner}/{s.session_id} twice")
+        seen.add((owner, s.session_id))
+        if not s.tokens or len(s.chunks) != len(s.tokens) // s.chunk_tokens:
+            raise CorruptDataError(f"session {s.session_id}: {len(s.chunks)} chunks for {len(s.tokens)} tokens")
+        if (s.tail is not None) != (len(s.tokens) % s.chunk_tokens > 0):
+            raise CorruptDataError(f"session {s.session_id}: tail member does not match its token count")
+        for name in s.chunks:
+            _expect(tokens_of, name, s.chunk_tokens)
+        if s.tail:
+            _expect(tokens_of, s.tail, len(s.tokens) % s.chunk_tokens)
+        if not force and await _exists(store.for_tenant(owner), s.session_id):
+            raise ConflictError(f"session {owner}/{s.session_id} exists in the target; pass --force to overwrite it")
+    progress.start("check archive", len(tokens_of))
+    for name, tokens in tokens_of.items():
+        buf = _member(tar, name, index)
+        try:
+            codec.decode(buf, fingerprint=store.fingerprint, dtype=store.spec.torch_dtype,
+                         shape=store.spec.kv_shape(tokens))  # fmt: skip
+        except AgentStateError as exc:
+            raise CorruptDataError(f"archive member {name} is not a valid chunk: {exc}") from None
+        progress.advance()
+
+
+def _expect(tokens_of: dict[str, int], name: str, tokens: int) -> None:
+    if tokens_of.setdefault(name, tokens) != tokens:
+        raise CorruptDataError(f"archive member {name} is named for {tokens_of[name]} and {tokens} tokens")
+
+
+async def _exists(store: StateStore, session_id: str) -> bool:
+    try:
+        await store.session(session_id)
+    except NotFoundError:
+        return False
+    return True
+
+
+class _Archive:
+    """An open tar and its regular-file members by name (duplicates refused)."""
+
+    def __init__(self, tar: tarfile.TarFile, source: Path) -> None:
+        self.tar, self.source = tar, source
+        self.files: dict[str, tarfile.TarInfo] = {}
+        for info in tar.getmembers():
+            if not info.isfile():
+                raise CorruptDataError(f"{source}: member {info.name!r} is not a regular file")
+            if info.name in self.files:
+                raise CorruptDataError(f"{source}: member {info.name!r} appears twice")
+            self.files[info.name] = info
+
+    def read(self, name: str, limit: int) -> bytes:
+        info = self.files.get(name)
+        if info is None:
+            raise CorruptDataError(f"{self.source}: member {name!r} is missing")
+        if info.size > limit:
+            raise CorruptDataError(f"{self.source}: member {name!r} is {info.size} bytes, more than {limit}")
+        f = self.tar.extractfile(info)
+        data = f.read() if f is not None else b""
+        if len(data) != info.size:
+            raise CorruptDataError(f"{self.source}: member {name!r} is truncated")
+        return data
+
+
+class _Opened:
+    def __init__(self, source: Path) -> None:
+        self.source = source
+
+    def __enter__(self) -> _Archive:
+        try:
+            self.tar = tarfile.open(self.source, "r:")
+            return _Archive(self.tar, self.source)
+        except FileNotFoundError:
+            raise NotFoundError(f"no archive {self.source}") from None
+        except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
+            raise CorruptDataError(f"{self.source} is not a readable agentstate archive: {exc}") from None
+
+    def __exit__(self, *exc: object) -> None:
+        if hasattr(self, "tar"):
+            self.tar.close()
+
+
+def _open(source: Path) -> _Opened:
+    return _Opened(source)
+
+
+def _read_index(tar: _Archive, source: Path) -> ArchiveIndex:
+    raw = _guarded(lambda: tar.read(INDEX, _MAX_INDEX_BYTES), source)
+    try:
+        index = ArchiveIndex.model_validate_json(raw)
+    except ValidationError as exc:
+        raise CorruptDataError(
+            f"{source}: {INDEX} is not an agentstate archive index ({exc.error_count()} errors)"
+        ) from None
+    if index.format_version != FORMAT_VERSION:
+        raise CorruptDataError(
+            f"{source}: archive format version {index.format_version}; this build reads {FORMAT_VERSION}"
+        )
+    if index.spec.fingerprint != index.fingerprint:
+        raise CorruptDataError(f"{source}: index fingerprint {index.fingerprint} is not its spec's")
+    unknown = set(tar.files) - set(index.members) - {INDEX}
+    if unknown:
+        raise CorruptDataError(f"{source}: members not in the index: {sorted(unknown)[:3]}")
+    return index
+
+
+def _member(tar: _Archive, name: str, index: ArchiveIndex) -> bytes:
+    """A member's bytes, checked against the size and xxh3 the index records for it."""
+    meta = index.members.get(name)
+    if meta is None:
+        raise CorruptDataError(f"archive member {name!r} is not in the index")
+    data = _guarded(lambda: tar.read(name, meta.size), tar.source)
+    if len(data) != meta.size or xxhash.xxh3_64_hexdigest(data) != meta.xxh3:
+        raise CorruptDataError(f"archive member {name} fails its checksum")
+    return data
+
+
+def _guarded(read: Any, source: Path) -> bytes:
+    try:
+        data: bytes = read()
+    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
+        raise CorruptDataError(f"{source}: archive is damaged: {exc}") from None
+    return data
+
+
+def read_spec(source: Path) -> ModelSpec:
+    """The ModelSpec an archive's KV belongs to (from its index; members are checked by import)."""
+    with _open(Path(source)) as tar:
+        return _read_index(tar, Path(source)).spec

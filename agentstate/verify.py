@@ -1,0 +1,138 @@
+"""`agentstate verify`: every stored chunk and tail, in every tier, checked by the codec.
+
+A store's own reads already treat a corrupt chunk as a miss (and drop it); verify finds damage
+before a resume meets it, says which sessions it costs, and with `repair` drops the bad copies
+so they read as misses and the next snapshot of each session rewrites them.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from agentstate import codec
+from agentstate.admin import QUIET, Progress, session_keys, stored_size
+from agentstate.errors import AgentStateError, CorruptDataError
+from agentstate.io import batches
+from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX
+from agentstate.spec import ModelSpec
+from agentstate.store import StateStore
+from agentstate.tiers import Tier
+
+
+class BadChunk(BaseModel):
+    tier: str
+    key: str
+    problem: str
+
+
+class TierCheck(BaseModel):
+    tier: str
+    checked: int
+    ok: int
+    corrupt: int
+    missing: int
+    """record tier: keys a live manifest names that it lacks; other tiers: keys gone while listed"""
+    repaired: int
+
+
+class AffectedSession(BaseModel):
+    tenant: str
+    session_id: str
+    tokens: int
+    restorable_tokens: int
+    """how many leading tokens a resume restores now; the engine recomputes the rest"""
+    bad_keys: list[str]
+
+
+class VerifyReport(BaseModel):
+    clean: bool
+    repaired: bool
+    tiers: list[TierCheck]
+    corrupt: list[BadChunk]
+    missing: list[str]
+    affected: list[AffectedSession]
+
+
+async def verify(store: StateStore, *, repair: bool = False, progress: Progress = QUIET) -> VerifyReport:
+    """Check every stored chunk and tail of this spec, in every tier, with the codec (magic,
+    version, fingerprint, dtype, shape, length, xxh3 of the payload; no unpickling: the codec only
+    reads raw bytes). `repair=True` deletes corrupt copies, so reads see misses and the next
+    snapshot rewrites them. Sessions of every tenant are checked, since tenants share the tiers.
+    """
+    manifests = [m for m in await store._catalog.manifests(None) if m.fingerprint == store.fingerprint]
+    manifests = [m for m in manifests if not m.expired()]
+    expected: dict[str, int] = {}
+    for m in manifests:
+        expected.update(dict.fromkeys(m.chunk_keys, m.chunk_tokens))
+        if m.tail_key:
+            expected[m.tail_key] = m.tail_tokens
+    good: set[str] = set()
+    checks: list[TierCheck] = []
+    corrupt: list[BadChunk] = []
+    missing: list[str] = []
+    for tier in store.manager.tiers:
+        prefixes = (f"{CHUNK_PREFIX}{store.fingerprint}/", f"{TAIL_PREFIX}{store.fingerprint}/")
+        listed = [k for p in prefixes async for k in tier.backend.keys(p)]
+        progress.start(f"verify {tier.name}", len(listed))
+        status = await _check_tier(store, tier, listed, expected, progress)
+        bad = [BadChunk(tier=tier.name, key=k, problem=s) for k, s in status.items() if s not in ("ok", "missing")]
+        gone = [k for k, s in status.items() if s == "missing"]
+        if tier is store.record:
+            held = set(listed)
+            gone += [k for k in expected if k not in held]
+        good.update(k for k, s in status.items() if s == "ok")
+        if repair and bad:
+            await store.manager.delete([b.key for b in bad], [tier])
+        corrupt += bad
+        missing += [k for k in gone if k in expected]
+        check = TierCheck(
+            tier=tier.name, checked=len(listed), ok=sum(s == "ok" for s in status.values()), corrupt=len(bad),
+            missing=len(gone), repaired=len(bad) if repair else 0,
+        )  # fmt: skip
+        checks.append(check)
+    affected = []
+    for m in manifests:
+        keys = session_keys(m)
+        lost = [k for k in keys if k not in good]
+        if lost:
+            lead = next(i for i, k in enumerate(keys) if k not in good)
+            hit = AffectedSession(
+                tenant=m.tenant, session_id=m.session_id, tokens=m.num_tokens,
+                restorable_tokens=lead * m.chunk_tokens, bad_keys=lost,
+            )  # fmt: skip
+            affected.append(hit)
+    return VerifyReport(
+        clean=not corrupt and not missing, repaired=repair and bool(corrupt), tiers=checks, corrupt=corrupt,
+        missing=sorted(set(missing)), affected=sorted(affected, key=lambda a: (a.tenant, a.session_id)),
+    )  # fmt: skip
+
+
+async def _check_tier(
+    store: StateStore, tier: Tier, keys: list[str], expected: dict[str, int], progress: Progress
+) -> dict[str, str]:
+    """key -> "ok" | "missing" | the codec's complaint, checked in place in the backend's memory."""
+    status = dict.fromkeys(keys, "missing")
+    spec = store.spec
+    full = stored_size(spec, store.chunk_tokens)
+    for run in batches([full] * len(keys), store.config.batch_bytes):
+        batch = [keys[i] for i in run]
+
+        def sink(j: int, view: memoryview, batch: list[str] = batch) -> None:
+            status[batch[j]] = check_chunk(view, spec, expected.get(batch[j]))
+
+        await tier.backend.read(batch, sink)
+        progress.advance(len(batch))
+    return status
+
+
+def check_chunk(buf: codec.Buffer, spec: ModelSpec, tokens: int | None) -> str:
+    """Return "ok", or why `buf` is not a valid chunk of `spec` (`tokens` long, when a manifest says)."""
+    try:
+        shape = spec.kv_shape(tokens) if tokens is not None else None
+        kv = codec.decode(buf, fingerprint=spec.fingerprint, dtype=spec.torch_dtype, shape=shape)
+        layers, planes, _, heads, dim = spec.kv_shape(0)
+        if shape is None and (kv.shape[:2], kv.shape[3:]) != ((layers, planes), (heads, dim)):
+            raise CorruptDataError(f"chunk shape {tuple(kv.shape)} is not one of this spec")
+    except AgentStateError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
