@@ -85,3 +85,32 @@ async def test_random_damage_is_detected_counted_dropped_and_repaired(tmp_path: 
             assert result.complete and bits_equal(result.kv, kv)
         if with_file:  # the bad copy is gone; promotion from LMDB may have written it again, correctly
             assert not path.exists() or path.read_bytes() == lmdb_value(data, keys[hit])
+
+
+async def test_verify_finds_damage_in_every_tier_and_repair_drops_only_bad_copies(tmp_path: Path) -> None:
+    """`agentstate verify` (the library call behind it) on a file tier over LMDB: a damaged file
+    copy and a damaged LMDB copy are both reported by tier; repair drops exactly those. Each has a
+    good copy in the other tier, so no session loses tokens, but the record tier has lost a durable
+    copy, which verify keeps reporting (missing) until the session is written again."""
+    from agentstate.verify import verify
+
+    data, rng = tmp_path / "data", random.Random("verify")
+    tokens, kv = random_tokens(TOKENS, seed=5), random_kv(SPEC4, TOKENS, seed=5)
+    async with StateStore.open(config(data, True), SPEC4) as store:
+        m = await store.snapshot("s", tokens, kv)
+        file_path = Path(store.tiers[0]._locate(m.chunk_keys[2])[1])  # type: ignore[attr-defined]
+        assert (await verify(store)).clean
+    file_path.write_bytes(damage(file_path.read_bytes(), rng))
+    rewrite_lmdb_value(data, m.chunk_keys[7], lambda raw: damage(raw, rng))
+    async with StateStore.open(config(data, True), SPEC4) as store:
+        report = await verify(store)
+        assert {(b.tier, b.key) for b in report.corrupt} == {("file", m.chunk_keys[2]), ("lmdb", m.chunk_keys[7])}
+        assert not report.clean and report.affected == []  # a good copy of each in the other tier
+        repaired = await verify(store, repair=True)
+        assert repaired.repaired and sum(t.repaired for t in repaired.tiers) == 2
+        after = await verify(store)
+        assert after.corrupt == [] and after.missing == [m.chunk_keys[7]]  # the record tier's copy
+        r = await store.resume("s")
+        assert r.complete and bits_equal(r.kv, kv)
+        await store.snapshot("s", tokens, kv)
+        assert (await verify(store)).clean
