@@ -33,6 +33,7 @@ class TierCheck(BaseModel):
     missing: int
     """record tier: keys a live manifest names that it lacks; other tiers: keys gone while listed"""
     repaired: int
+    """bad copies dropped, plus (record tier) lost copies written back from a good copy elsewhere"""
 
 
 class AffectedSession(BaseModel):
@@ -56,8 +57,9 @@ class VerifyReport(BaseModel):
 async def verify(store: StateStore, *, repair: bool = False, progress: Progress = QUIET) -> VerifyReport:
     """Check every stored chunk and tail of this spec, in every tier, with the codec (magic,
     version, fingerprint, dtype, shape, length, xxh3 of the payload; no unpickling: the codec only
-    reads raw bytes). `repair=True` deletes corrupt copies, so reads see misses and the next
-    snapshot rewrites them. Sessions of every tenant are checked, since tenants share the tiers.
+    reads raw bytes). `repair=True` deletes corrupt copies, so reads see
+    misses, and writes a good copy found in another tier back into the record tier, so no durable
+    copy stays lost; what no tier holds intact, the next snapshot of its session rewrites. Sessions of every tenant are checked, since tenants share the tiers.
     """
     manifests = [m for m in await store._catalog.manifests(None) if m.fingerprint == store.fingerprint]
     manifests = [m for m in manifests if not m.expired()]
@@ -70,6 +72,7 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
     checks: list[TierCheck] = []
     corrupt: list[BadChunk] = []
     missing: list[str] = []
+    record_lacks: list[str] = []
     for tier in store.manager.tiers:
         prefixes = (f"{CHUNK_PREFIX}{store.fingerprint}/", f"{TAIL_PREFIX}{store.fingerprint}/")
         listed = [k for p in prefixes async for k in tier.backend.keys(p)]
@@ -80,6 +83,8 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
         if tier is store.record:
             held = set(listed)
             gone += [k for k in expected if k not in held]
+            record_lacks = [k for k in gone if k in expected]
+            record_lacks += [b.key for b in bad if b.key in expected] if repair else []
         good.update(k for k, s in status.items() if s == "ok")
         if repair and bad:
             await store.manager.delete([b.key for b in bad], [tier])
@@ -90,6 +95,8 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
             missing=len(gone), repaired=len(bad) if repair else 0,
         )  # fmt: skip
         checks.append(check)
+    restored = await _restore_record(store, record_lacks, checks) if repair else set()
+    missing = [k for k in missing if k not in restored]
     affected = []
     for m in manifests:
         keys = session_keys(m)
@@ -102,7 +109,7 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
             )  # fmt: skip
             affected.append(hit)
     return VerifyReport(
-        clean=not corrupt and not missing, repaired=repair and bool(corrupt), tiers=checks, corrupt=corrupt,
+        clean=not corrupt and not missing, repaired=repair and bool(corrupt or restored), tiers=checks, corrupt=corrupt,
         missing=sorted(set(missing)), affected=sorted(affected, key=lambda a: (a.tenant, a.session_id)),
     )  # fmt: skip
 
@@ -136,3 +143,23 @@ def check_chunk(buf: codec.Buffer, spec: ModelSpec, tokens: int | None) -> str:
     except AgentStateError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "ok"
+
+
+async def _restore_record(store: StateStore, missing: list[str], checks: list[TierCheck]) -> set[str]:
+    """Write back into the record tier what it lacks but another tier holds intact (checked again
+    by the codec on the way: a copy is only trusted as it is read)."""
+    record = store.record
+    others = [t for t in store.manager.tiers if t is not record]
+    back: set[str] = set()
+    for key in dict.fromkeys(missing):
+        for tier in others:
+            value = await store.manager.read_bytes(tier, key)
+            if value is not None and check_chunk(value, store.spec, None) == "ok":
+                await store.manager.put(record, [key], [value])
+                back.add(key)
+                break
+    for c in checks:
+        if c.tier == record.name:
+            c.repaired += len(back)
+            c.missing -= len(back)
+    return back
