@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from starlette.datastructures import Headers
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -91,6 +91,11 @@ def _bearer(headers: Headers) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def _digits(value: str) -> bool:
+    """A Content-Length as HTTP spells it: ASCII digits only (`str.isdigit` also takes '²' and '٣')."""
+    return value.isascii() and value.isdigit()
+
+
 def _same(token: str | None, expected: str) -> bool:
     return token is not None and hmac.compare_digest(token.encode(), expected.encode())
 
@@ -149,8 +154,8 @@ class _Call:
             return await self.reject(UnauthorizedError("/metrics needs the metrics token"))
         if self.scope["method"] in ("POST", "PUT") and _BINARY.fullmatch(path):
             self.limit = limits.max_body_bytes
-        if self.declared is not None and (not self.declared.isdigit() or int(self.declared) > self.limit):
-            bad = not self.declared.isdigit()
+        if self.declared is not None and (not _digits(self.declared) or int(self.declared) > self.limit):
+            bad = not _digits(self.declared)
             return await self.reject(MalformedRequestError("bad Content-Length") if bad else self._too_large())
         try:
             await self.gate.app(self.scope, self.receive, self.send)
@@ -177,7 +182,7 @@ class _Call:
         if self.body_done:
             return False
         budget = self.gate.limits.drain_bytes
-        if self.declared is not None and self.declared.isdigit() and int(self.declared) - self.received > budget:
+        if self.declared is not None and _digits(self.declared) and int(self.declared) - self.received > budget:
             return True
         while not self.body_done and budget > 0:
             message = await self._receive()
@@ -212,7 +217,17 @@ class _Call:
 
 
 async def read_body(request: Request) -> bytearray:
-    """The whole body (the gate has bounded it), into one buffer sized from Content-Length."""
+    """The whole body (the gate has bounded it), into one buffer sized from Content-Length.
+
+    A client that goes away mid-body is MalformedRequestError, like any incomplete body (the
+    answer reaches nobody, but the request is logged and counted as the 400 it is, not a 500)."""
+    try:
+        return await _read_body(request)
+    except ClientDisconnect:
+        raise MalformedRequestError("the client disconnected before the body was complete") from None
+
+
+async def _read_body(request: Request) -> bytearray:
     declared = request.headers.get("content-length")
     if declared is None:
         buf = bytearray()

@@ -33,6 +33,8 @@ from agentstate.target import KVTarget, TensorTarget
 
 log = logging.getLogger("agentstate.sessions")
 _FORCE_RETRIES = 16
+MAX_STATE_DEPTH = 128
+"""Deepest nesting of application state: the manifest parser stops at 200 levels of JSON."""
 
 
 class SessionOps(StoreBase):
@@ -263,11 +265,30 @@ def _leading(ok: Sequence[bool]) -> int:
 
 
 def _json_object(state: dict[str, Any] | None) -> dict[str, Any]:
+    """`state` as the JSON the manifest will hold, or InvalidArgumentError before anything is written.
+
+    Refused: what JSON cannot say (NaN, bytes, objects), lone surrogates (not UTF-8), and nesting
+    deeper than MAX_STATE_DEPTH, which the manifest's JSON parser would refuse on every resume.
+    """
     if state is None:
         return {}
     if not isinstance(state, dict):
         raise InvalidArgumentError(f"state must be a JSON object (dict), got {type(state).__name__}")
+    if _depth(state, MAX_STATE_DEPTH) > MAX_STATE_DEPTH:
+        raise InvalidArgumentError(f"state is nested deeper than {MAX_STATE_DEPTH} levels")
     try:
-        return json.loads(json.dumps(state, allow_nan=False))
-    except (TypeError, ValueError) as exc:
+        return json.loads(json.dumps(state, allow_nan=False, ensure_ascii=False).encode())
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidArgumentError(f"state is not JSON-serializable: {exc}") from None
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of dicts and lists in `value`, counted up to `limit + 1` (cycles included)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, dict | list | tuple):
+            deepest = max(deepest, level)
+            if level <= limit:
+                todo.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest

@@ -5,6 +5,7 @@ another key's page."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def test_mismatched_lengths_and_bad_indices_are_per_page_failures(
     backend: tuple[AgentStateStorage, StandInHostPool], keys: list[str], extra: int
 ) -> None:
     """Index tensors that do not cover the keys (SGLang bugs, torn batches) fail the pages, quietly."""
-    sgl, _ = backend
+    sgl, pool = backend
     n = max(len(keys) + extra, 0)
     wrong = torch.arange(n * PS + (1 if extra == 3 else 0))  # not a whole number of pages when extra == 3
     for call in (sgl.batch_set_v1, sgl.batch_get_v1):
@@ -104,6 +105,49 @@ def test_mismatched_lengths_and_bad_indices_are_per_page_failures(
         assert isinstance(out, list) and len(out) == len(keys) and all(isinstance(b, bool) for b in out)
         if extra:
             assert not any(out), call.__name__
+        elif call == sgl.batch_set_v1:  # the indices were right after all: these pages are stored
+            for i, (key, stored) in enumerate(zip(keys, out)):
+                if stored:
+                    STORED.setdefault(key, pool.page_bits(i * PS))
     outside = torch.arange(10**6, 10**6 + len(keys) * PS)  # beyond the pool
     assert sgl.batch_get_v1(keys, outside) == [False] * len(keys)
     assert sgl.batch_set_v1(keys, outside) == [False] * len(keys)
+
+
+def _slot(key: str) -> int:
+    """The pool page a key's value comes from: one per key, so repeats within a batch agree."""
+    return zlib.crc32(key.encode("utf-8", "surrogatepass")) % (POOL_PAGES // 2)
+
+
+BAD_VALUE = st.sampled_from([None, "page", torch.zeros(3), torch.zeros(2 * 3 * PS * 2 * 16, dtype=torch.float16)])
+
+
+@FUZZ
+@given(keys=st.lists(KEY, max_size=5), bad=st.lists(BAD_VALUE, max_size=3))
+def test_generic_calls_never_raise_and_never_cross(
+    backend: tuple[AgentStateStorage, StandInHostPool], keys: list[str], bad: list[object]
+) -> None:
+    """get/batch_get/set/batch_set/exists (flat pages) with any keys, and values that are no pages."""
+    sgl, pool = backend
+    known = set(STORED)
+    assert sgl.batch_set(keys, [pool.get_data_page(_slot(k) * PS) for k in keys[:-1]]) is (not keys)  # one short
+    assert sgl.batch_set(keys[: len(bad)], bad[: len(keys)]) is (not keys or not bad)
+    assert sgl.set(keys[0] if keys else "", bad[0] if bad else None) is False
+    assert not any(sgl.exists(k) for k in keys if k not in known)  # none of that stored a thing
+
+    done = sgl.batch_set(keys, [pool.get_data_page(_slot(k) * PS) for k in keys])
+    for key in keys:
+        if key not in STORED and sgl.exists(key):
+            STORED[key] = pool.page_bits(_slot(key) * PS)
+    assert done is all(k in STORED for k in keys)
+
+    got = sgl.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+    assert isinstance(got, list) and len(got) == len(keys)
+    for key, page in zip(keys, got):
+        assert (page is not None) == (key in STORED), key[:40]
+        assert page is None or page.view(torch.uint8).equal(STORED[key]), f"{key[:40]!r} read another page"
+    for key in keys[:1] or [""]:
+        alone = sgl.get(key)  # no target: the adapter allocates one
+        assert (alone is not None) == (key in STORED)
+        assert alone is None or alone.view(torch.uint8).equal(STORED[key])
+        assert sgl.exists(key) is (key in STORED)
