@@ -119,6 +119,30 @@ def test_manifest_round_trips() -> None:
     assert decode_manifest(MANIFEST) == _manifest()
 
 
+ID = st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_.:@-]{0,127}", fullmatch=True)
+FINITE = st.floats(allow_nan=False, allow_infinity=False)
+STATE = st.recursive(  # what a snapshot stores: JSON without NaN or infinities (refused before they get here)
+    st.none() | st.booleans() | st.integers() | FINITE | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    max_leaves=30,
+)
+VALID = st.builds(
+    SessionManifest, session_id=ID, tenant=ID, fingerprint=st.just(SPEC4.fingerprint),
+    chunk_tokens=st.integers(1, 4096), tokens=st.lists(st.integers(0, 2**63 - 1), max_size=50),
+    chunk_keys=st.lists(st.binary(min_size=32, max_size=32).map(lambda d: f"c/{SPEC4.fingerprint}/{d.hex()}"),
+                        max_size=3),
+    tail_key=st.none() | st.just(TAIL), state=st.dictionaries(st.text(max_size=10), STATE, max_size=5),
+    version=st.integers(1, 2**63), parent=st.none() | ID, created_at=FINITE, updated_at=FINITE,
+    ttl_seconds=st.none() | st.floats(min_value=0, exclude_min=True, allow_infinity=False), pinned=st.booleans(),
+)  # fmt: skip
+
+
+@settings(FUZZ, max_examples=150)
+@given(VALID)
+def test_any_valid_manifest_round_trips_equal(m: SessionManifest) -> None:
+    assert decode_manifest(encode_manifest(m)) == m
+
+
 # -- ids against a real store ------------------------------------------------------------------------
 
 
