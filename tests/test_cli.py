@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tarfile
 from pathlib import Path
@@ -26,6 +25,7 @@ from agentstate import ModelSpec, StateStore
 from agentstate.admin import record_spec
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 from tests.test_corruption import rewrite_lmdb_value
+from tests.test_service import _free_port
 
 AGENTSTATE = shutil.which("agentstate")
 pytestmark = pytest.mark.skipif(AGENTSTATE is None, reason="the agentstate command is not installed")
@@ -217,12 +217,6 @@ async def test_bad_arguments_are_clear_errors(data: Path, tmp_path: Path) -> Non
     record = cli("evict", "lmdb", "--budget", "0", "-p", data)
     assert record.returncode == 1 and "record tier" in record.stderr
     await check_sessions(data, WRITTEN)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_serve_answers_until_sigterm(data: Path, tmp_path: Path) -> None:
