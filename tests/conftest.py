@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 from agentstate import ModelSpec, StateStore
 from tests.mooncake_server import MooncakeServer
 from tests.redis_server import RedisCluster, RedisServer
+from tests.requires import in_ci
 
 SPEC4 = ModelSpec(model_id="test/tiny", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
 SPEC32 = ModelSpec(model_id="test/llama-8b-shape", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
@@ -83,3 +85,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _ci_refuses(report: pytest.TestReport | pytest.CollectReport, what: str) -> None:
+    """In CI a skip is a failure (tests/requires.py): everything the tests need is installed there,
+    so a skip means a broken install or environment. gpu tests without CUDA are not passed here."""
+    if not report.skipped or hasattr(report, "wasxfail") or not in_ci():
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"{what} skipped in CI (CI={os.environ.get('CI')}), which CI does not allow: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    if not ("gpu" in item.keywords and not torch.cuda.is_available()):  # the one skip CI keeps
+        _ci_refuses(outcome.get_result(), item.nodeid)  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    _ci_refuses(outcome.get_result(), collector.nodeid)  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pytest
+from tests.requires import skip_or_fail
 
 STORAGE_SCRIPT = """
 import sys, time
@@ -66,12 +66,12 @@ class MooncakeServer:
         try:
             import mooncake.store
         except ImportError as exc:  # the CUDA wheel, or no wheel at all
-            pytest.skip(f"mooncake.store does not import ({exc}); pip install mooncake-transfer-engine-non-cuda")
+            skip_or_fail(f"mooncake.store does not import ({exc}); pip install mooncake-transfer-engine-non-cuda")
         import mooncake
 
         self.binary = Path(os.path.dirname(mooncake.__file__)) / "mooncake_master"
         if not self.binary.exists():
-            pytest.skip(f"no mooncake_master binary at {self.binary}")
+            skip_or_fail(f"no mooncake_master binary at {self.binary}")
         self.workdir, self.segment_bytes = workdir, segment_bytes
         workdir.mkdir(parents=True, exist_ok=True)
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
@@ -114,14 +114,14 @@ class MooncakeServer:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.master.poll() is not None:
-                pytest.skip(f"mooncake_master exited with {self.master.returncode}: see {self.workdir}/master.log")
+                skip_or_fail(f"mooncake_master exited with {self.master.returncode}: see {self.workdir}/master.log")
             try:
                 urllib.request.urlopen(f"{self.admin_url}/metrics", timeout=0.5).read()
                 return
             except OSError:
                 time.sleep(0.05)
         self.stop()
-        pytest.skip("mooncake_master did not answer on its metrics port within 10 s")
+        skip_or_fail("mooncake_master did not answer on its metrics port within 10 s")
 
     def segments(self) -> list[str]:
         """Segments the master has mounted (its admin HTTP port)."""

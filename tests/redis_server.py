@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
+from tests.requires import skip_or_fail
 
 
 def _free(port: int) -> bool:
@@ -33,7 +33,7 @@ def free_port() -> int:
 class RedisServer:
     def __init__(self, workdir: Path) -> None:
         if shutil.which("redis-server") is None:
-            pytest.skip("redis-server not installed (apt-get install -y redis-server; .ci/run does)")
+            skip_or_fail("redis-server not installed (apt-get install -y redis-server; .ci/run does)")
         self.workdir = workdir
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -72,7 +72,7 @@ class RedisCluster:
 
     def __init__(self, workdir: Path, extra: list[str] | None = None) -> None:
         if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-            pytest.skip("redis-server/redis-cli not installed (.ci/run installs them)")
+            skip_or_fail("redis-server/redis-cli not installed (.ci/run installs them)")
         self.nodes = [RedisServer(workdir / f"n{i}") for i in range(3)]
         self.node_extra = extra or []
         for node in self.nodes:

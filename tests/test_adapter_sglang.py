@@ -25,7 +25,8 @@ import lmdb
 import pytest
 import torch
 
-pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
+from tests.requires import require_module, skip_or_fail  # noqa: I001 (guards the imports below)
+require_module("sglang.srt.mem_cache.storage.backend_factory", "install requirements-sglang.txt as .ci/run does")
 from agentstate.adapters.sglang import AgentStateStorage
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -379,7 +380,7 @@ def test_real_host_pool(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     lines = proc.stdout.splitlines()
     if lines and lines[-1].startswith("SKIP "):
-        pytest.skip(f"SGLang's host pool module needs {json.loads(lines[-1][5:])!r} (not in requirements-sglang.txt)")
+        skip_or_fail(f"SGLang's host pool module needs {json.loads(lines[-1][5:])!r} (not in requirements-sglang.txt)")
     assert proc.returncode == 0 and lines and lines[-1].startswith("RESULT "), proc.stderr[-4000:]
     results = json.loads(lines[-1][7:])
     runs = [k for k in results if k.count("/") == 1]

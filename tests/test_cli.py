@@ -24,11 +24,13 @@ import torch
 from agentstate import ModelSpec, StateStore
 from agentstate.admin import record_spec
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
+from tests.requires import skip_or_fail
 from tests.test_corruption import rewrite_lmdb_value
 from tests.test_service import _free_port
 
 AGENTSTATE = shutil.which("agentstate")
-pytestmark = pytest.mark.skipif(AGENTSTATE is None, reason="the agentstate command is not installed")
+if AGENTSTATE is None:
+    skip_or_fail("the agentstate command is not on PATH (pip install -e .; .ci/run puts .venv-ci/bin on PATH)")
 CHUNK = 64
 SYSTEM = random_tokens(3 * CHUNK, seed=90)  # a system prompt of three whole chunks, shared by everyone
 

@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
+from tests.requires import require_module  # noqa: I001 (guards the imports below)
+require_module("sglang.srt.mem_cache.storage.backend_factory", "install requirements-sglang.txt as .ci/run does")
 from agentstate.adapters.sglang import AgentStateStorage
 from agentstate.adapters.sglang_pages import _KEY_RE
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
