@@ -13,7 +13,8 @@ silently kills the prefetch thread: every call reaches the asyncio store through
 and answers per page (False / None / 0 hits, logged and counted), never raising. Construction and
 pool registration do raise typed errors (startup, inside SGLang's attach rollback).
 
-A page is one codec value (checksummed: corruption is a detected miss), stored canonical
+A page is one codec value (checksummed, bound to its storage key: corruption, or a page's value
+under another page's key, is a detected miss), stored canonical
 `[layers, planes, page_size, heads, dim]` under `p/<fingerprint>/<page size>/<shard>/<key>`. The
 fingerprint covers model, revision, dtype, layers, heads, head dim, TP rank/size (SGLang's own keys
 leave dtype out; MLA KV is replicated, so it has no rank); the shard covers PP, attention CP and
@@ -26,7 +27,6 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
 import torch
@@ -35,7 +35,6 @@ from agentstate.adapters.sglang_pages import (
     LoopThread,
     PageLayout,
     PagesTarget,
-    adopt,
     encode_page,
     never_raises,
     size_of,
@@ -47,7 +46,7 @@ from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, BackendError, InvalidArgumentError
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
-from agentstate.transfer import Transfer
+from agentstate.chunks import ChunkStore
 
 log = logging.getLogger("agentstate.adapters.sglang")
 PAGE_PREFIX = "p/"
@@ -65,10 +64,8 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         self.counts: Counter[str] = Counter()
         self._count_lock = threading.Lock()
         self._loop = LoopThread("agentstate-sglang")
-        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentstate-sglang")
         self.store: StateStore | None = None
         self.layout: PageLayout | None = None
-        self._transfer: Transfer | None = None
         self._prefix = ""
         pool = (kwargs or {}).get("mem_pool_host")
         if pool is not None:
@@ -102,14 +99,10 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
     async def _open(self, config: StoreConfig, spec: ModelSpec) -> StateStore:
         store = await StateStore.open(config, spec)
         try:
-            await adopt(store, self._prefix)
+            await store.chunks.adopt([self._prefix])
         except BaseException:
             await store.close()
             raise
-        self._transfer = Transfer(
-            spec=spec, manager=store.manager, io=store.io, pool=self._cpu,
-            batch_bytes=config.batch_bytes, promote=config.promote_on_read,
-        )  # fmt: skip
         return store
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -128,10 +121,10 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         else:
             log.exception("agentstate %s failed", call)
 
-    def _ready(self) -> tuple[StateStore, PageLayout, Transfer]:
-        if self.store is None or self.layout is None or self._transfer is None:
+    def _ready(self) -> tuple[StateStore, PageLayout, ChunkStore]:
+        if self.store is None or self.layout is None:
             raise BackendError("no host pool registered (or the backend is closed)")
-        return self.store, self.layout, self._transfer
+        return self.store, self.layout, self.store.chunks
 
     def storage_key(self, key: str) -> str:
         return self._prefix + key
@@ -172,10 +165,11 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         todo = [i for i, p in enumerate(pages) if p is not None]
         present = self._run(self._present([self.storage_key(keys[i]) for i in todo]))
         new = [i for i, hit in zip(todo, present) if not hit]
-        values = [encode_page(cast(torch.Tensor, pages[i]), store.fingerprint) for i in new]
+        stored = [self.storage_key(keys[i]) for i in new]
+        values = [encode_page(cast(torch.Tensor, pages[i]), store.fingerprint, k) for i, k in zip(new, stored)]
         ok = [p is not None for p in pages]
         try:
-            self._run(self._put([self.storage_key(keys[i]) for i in new], values))
+            self._run(self._put(stored, values))
             self._count(pages_set=len(new), pages_present=len(todo) - len(new))
         except Exception as exc:  # noqa: BLE001 - per page: the new pages fail, the present ones stand
             self._failed("set", exc)
@@ -201,32 +195,21 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         return ok
 
     async def _present(self, keys: list[str]) -> list[bool]:
-        store, _, _ = self._ready()
-        unknown = [k for k in keys if not store.index.tiers_of(k)]
-        if unknown:
-            await store.manager.discover(unknown)  # remote tiers: pages other hosts or ranks stored
-        return [bool(store.index.tiers_of(k)) for k in keys]
+        _, _, chunks = self._ready()
+        return await chunks.present(keys)  # remote tiers: pages other hosts or ranks stored
 
     async def _put(self, keys: list[str], values: list[Any]) -> None:
-        store, _, _ = self._ready()
-        store.index.pin(keys)
-        try:
-            new = [i for i, k in enumerate(keys) if not store.index.tiers_of(k)]
+        _, _, chunks = self._ready()
+        with chunks.pinned(keys):
+            new = await chunks.missing(keys, durable=False)
             if new:
-                await store.manager.store([keys[i] for i in new], [values[i] for i in new], durable=False)
-        finally:
-            store.index.unpin(keys)
+                await chunks.put_values([keys[i] for i in new], [values[i] for i in new])
 
     async def _get(self, keys: list[str], target: PagesTarget) -> list[bool]:
-        store, layout, transfer = self._ready()
+        _, layout, chunks = self._ready()
         await self._present(keys)
-        store.index.pin(keys)
-        try:
-            return await transfer.read(
-                keys, [(i * layout.page_size, layout.page_size) for i in range(len(keys))], target
-            )
-        finally:
-            store.index.unpin(keys)
+        with chunks.pinned(keys):
+            return await chunks.read(keys, [(i * layout.page_size, layout.page_size) for i in range(len(keys))], target)
 
     # -- HiCacheStorage ------------------------------------------------------------------------
 
@@ -297,22 +280,21 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         return bool(self._run(self._clear()))
 
     async def _clear(self) -> bool:
-        store, _, _ = self._ready()
-        for tier in store.manager.tiers:
-            keys = [k async for k in tier.backend.keys(self._prefix)]
-            await store.manager.delete(keys, [tier])
+        _, _, chunks = self._ready()
+        for tier in chunks.tier_names:
+            await chunks.delete(await chunks.scan(tier, self._prefix), [tier])
         return True
 
     def counters(self) -> dict[str, int]:
         """This backend's counts (pages set/read/missing, bad pages, errors) and the transfer's (corrupt)."""
         with self._count_lock:
             out = dict(self.counts)
-        if self._transfer is not None and not self._loop.closed:
+        if self.store is not None and not self._loop.closed:
             out.update(self._run(self._transfer_counts()))
         return out
 
     async def _transfer_counts(self) -> dict[str, int]:
-        return dict(self._transfer.counts) if self._transfer is not None else {}
+        return self.store.chunks.counters() if self.store is not None else {}
 
     def close(self) -> None:
         """Flush background promotions, close the store's tiers, stop the loop. Idempotent; never raises."""
@@ -322,6 +304,5 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         except Exception as exc:  # noqa: BLE001 - close runs in SGLang's detach, and must stop the loop
             self._failed("close", exc)
         finally:
-            self.store, self.layout, self._transfer = None, None, None
+            self.store, self.layout = None, None
             self._loop.stop()
-            self._cpu.shutdown(wait=True)

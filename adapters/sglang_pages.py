@@ -80,18 +80,11 @@ def never_raises(fallback: Callable[..., Any]) -> Callable[[F], F]:
     return wrap
 
 
-async def adopt(store: StateStore, prefix: str) -> None:
-    """Index the pages the store's local durable tiers already hold (it indexes only its own chunks)."""
-    found: dict[str, list[str]] = {}
-    for tier in store.manager.tiers:
-        if tier.backend.durable and not tier.backend.remote:
-            found[tier.name] = [k async for k in tier.backend.keys(prefix)]
-    await store.manager.adopt_existing(found)
-
-
-def encode_page(page: torch.Tensor, fingerprint: str) -> bytearray | mmap.mmap:
-    """One canonical page as a codec value; the encode is the one copy out of pool memory."""
-    return codec.encode(page, fingerprint, host_buffer(codec.encoded_size(page.numel() * page.element_size())))
+def encode_page(page: torch.Tensor, fingerprint: str, key: str) -> bytearray | mmap.mmap:
+    """One canonical page as a codec value bound to `key`, the storage key it is put under; the
+    encode is the one copy out of pool memory."""
+    out = host_buffer(codec.encoded_size(page.numel() * page.element_size()))
+    return codec.encode(page, fingerprint, key=key, out=out)
 
 
 def valid_key(key: object) -> bool:

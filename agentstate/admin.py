@@ -24,7 +24,7 @@ from agentstate.keys import validate_id
 from agentstate.manifest import SessionManifest
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore, StoreStats
-from agentstate.tiers import Tier
+from agentstate.chunks import TierInfo as ChunkTierInfo
 
 SPEC_FILE = "spec.json"
 """Where a data directory records its ModelSpec (the file `agentstate serve` writes)."""
@@ -106,13 +106,17 @@ def is_store(config: StoreConfig) -> bool:
 @contextlib.asynccontextmanager
 async def open_store(
     path: Path, *, tenant: str | None = None, spec_file: Path | None = None, spec: ModelSpec | None = None,
-    create: bool = False,
+    create: bool = False, read_only: bool = False,
 ) -> AsyncIterator[StateStore]:  # fmt: skip
-    """Open an existing data directory (or create one, for import) under its recorded spec."""
+    """Open an existing data directory (or create one, for import) under its recorded spec.
+
+    `read_only` shares the directory's lock with other readers (ls, inspect, stats, verify,
+    export); the write commands take it alone, so they refuse a directory a server holds.
+    """
     config = store_config(path, tenant)
     if not create and not is_store(config):
         raise NotFoundError(f"no agentstate data directory at {path}")
-    async with StateStore.open(config, spec or resolve_spec(path, spec_file)) as store:
+    async with StateStore.open(config, spec or resolve_spec(path, spec_file), read_only=read_only) as store:
         yield store
 
 
@@ -201,15 +205,15 @@ async def inspect_session(store: StateStore, session_id: str) -> SessionDetail:
     """A session's manifest, and for every chunk: its key, size and which tiers hold it."""
     m = await store.session(session_id)
     keys = session_keys(m)
-    await store.manager.discover(keys)
+    await store.chunks.discover(keys)
     chunks = []
     for i, key in enumerate(keys):
         tail = i == len(m.chunk_keys)
-        holders = store.manager.holders(key)
-        size = (await holders[0].backend.sizes([key]))[0] if holders else 0
+        holders = store.chunks.where(key)
+        size = (await store.chunks.backend(holders[0]).sizes([key]))[0] if holders else 0
         info = ChunkInfo(
             index=i, kind="tail" if tail else "chunk", key=key, first_token=i * m.chunk_tokens,
-            tokens=m.tail_tokens if tail else m.chunk_tokens, bytes=size, tiers=[t.name for t in holders],
+            tokens=m.tail_tokens if tail else m.chunk_tokens, bytes=size, tiers=holders,
         )  # fmt: skip
         chunks.append(info)
     return SessionDetail(
@@ -258,17 +262,16 @@ async def stats(store: StateStore) -> StatsReport:
     unique += sum(stored_size(store.spec, m.tail_tokens) for m in tails)
     return StatsReport(
         path=str(store.config.path), spec=store.spec, chunk_tokens=store.chunk_tokens, store=await store.stats(),
-        tiers=[_tier_info(store, t) for t in store.manager.tiers], tenant_sessions=len(found),
+        tiers=[_tier_info(t) for t in store.chunks.tier_info()], tenant_sessions=len(found),
         session_tokens=sum(m.num_tokens for m in found), unique_chunks=len(chunks), tails=len(tails),
         logical_bytes=sum(_row(store, m).bytes for m in found), unique_bytes=unique,
     )  # fmt: skip
 
 
-def _tier_info(store: StateStore, tier: Tier) -> TierInfo:
-    b = tier.backend
+def _tier_info(tier: ChunkTierInfo) -> TierInfo:
     return TierInfo(
-        name=tier.name, record=tier is store.record, durable=b.durable, remote=b.remote,
-        capacity_bytes=tier.capacity, chunks=len(tier.lru),
+        name=tier.name, record=tier.record, durable=tier.durable, remote=tier.remote,
+        capacity_bytes=tier.capacity_bytes, chunks=tier.chunks,
     )  # fmt: skip
 
 
@@ -292,27 +295,12 @@ class EvictReport(BaseModel):
     used_after: int
 
 
-def cache_tier(store: StateStore, name: str) -> Tier:
-    """A tier `evict` may drop copies from: any but the record tier and shared remote tiers."""
-    names = [t.name for t in store.manager.tiers]
-    if name not in names:
-        raise InvalidArgumentError(f"no tier {name!r}; this store has {names}")
-    tier = store.manager.tier(name)
-    if tier is store.record:
-        raise InvalidArgumentError(
-            f"{name!r} is the record tier: it holds the durable copy of every session (use delete or gc)"
-        )
-    if tier.backend.remote:
-        raise InvalidArgumentError(f"{name!r} is shared with other hosts; evict from it there, not from here")
-    return tier
-
-
 async def evict(
     store: StateStore, tier_name: str, *, budget_bytes: int | None = None, sessions: Sequence[str] = ()
 ) -> EvictReport:
     """Drop cached copies from a cache tier: oldest first until it uses at most `budget_bytes`
     (0: all), or every chunk and tail of `sessions`. A chunk no lower tier holds is written down
-    before it goes (the tier manager's eviction), so no session loses data; pinned chunks stay.
+    before it goes (the chunk layer's eviction), so no session loses data; pinned chunks stay.
 
     Host and device tiers are memory of the process that opened the store: in a separate CLI
     process they are empty, so this matters for persistent cache tiers (a file tier over LMDB) or
@@ -322,27 +310,11 @@ async def evict(
         raise InvalidArgumentError("evict needs either a byte budget or sessions, not both")
     if budget_bytes is not None and budget_bytes < 0:
         raise InvalidArgumentError(f"byte budget must be >= 0, got {budget_bytes}")
-    tier = cache_tier(store, tier_name)
     wanted = [k for sid in sessions for k in session_keys(await store.session(sid))]
-    demoted_before = store.manager.counts["demotions"]
-    async with tier.lock:
-        keys = list(tier.lru)
-        sizes = dict(tier.lru) if tier.capacity is not None else dict(zip(keys, await tier.backend.sizes(keys)))
-        used = before = sum(sizes.values())
-        victims = [k for k in dict.fromkeys(wanted) if k in sizes] if sessions else keys
-        evicted = evicted_bytes = skipped = 0
-        for key in victims:
-            if budget_bytes is not None and used <= budget_bytes:
-                break
-            if store.index.pinned(key) or key in tier.inflight:
-                skipped += 1
-                continue
-            await store.manager._evict(tier, key)
-            evicted, evicted_bytes, used = evicted + 1, evicted_bytes + sizes[key], used - sizes[key]
+    done = await store.chunks.evict(tier_name, budget_bytes=budget_bytes, keys=wanted if sessions else None)
     return EvictReport(
-        tier=tier.name, evicted=evicted, evicted_bytes=evicted_bytes,
-        demoted=store.manager.counts["demotions"] - demoted_before, skipped_pinned=skipped,
-        used_before=before, used_after=used,
+        tier=tier_name, evicted=done.evicted, evicted_bytes=done.evicted_bytes, demoted=done.demoted,
+        skipped_pinned=done.skipped_pinned, used_before=done.used_before, used_after=done.used_after,
     )  # fmt: skip
 
 

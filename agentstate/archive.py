@@ -3,7 +3,8 @@
 An archive is a plain, uncompressed tar (inspectable with `tar tvf`) holding
 
 - `chunks/NNNNNN.kv`: one codec frame per distinct chunk or tail (magic, fingerprint, dtype, shape,
-  xxh3 of the payload), each stored once however many exported sessions name it;
+  xxh3 of the payload), each stored once however many exported sessions name it, and bound to its
+  member name as its key (so frames swapped between members fail their checksum);
 - `index.json`, written last: format and version, the ModelSpec and its fingerprint, every
   session (tenant, id, tokens, state, TTL, pin, which members hold its KV), and the size and xxh3
   of every member.
@@ -44,7 +45,7 @@ from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
 
 FORMAT: Literal["agentstate-archive"] = "agentstate-archive"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: codec frames of format 2, bound to their member names
 INDEX = "index.json"
 _MAX_INDEX_BYTES = 1 << 30
 
@@ -139,7 +140,7 @@ async def export_sessions(
                 names = []
                 for key, a, b in spans:
                     if key not in by_key:
-                        by_key[key] = _add(tar, members, codec.encode(kv[:, :, a:b], store.fingerprint))
+                        by_key[key] = _add(tar, members, kv[:, :, a:b], store.fingerprint)
                     names.append(by_key[key])
                 entry = ArchivedSession(
                     tenant=m.tenant, session_id=m.session_id, tokens=m.tokens, state=m.state,
@@ -167,13 +168,15 @@ async def _selected(store: StateStore, session_ids: Sequence[str], all_tenants: 
         raise InvalidArgumentError("name sessions or pass all_tenants, not both")
     if session_ids:
         return [await store.session(sid) for sid in dict.fromkeys(session_ids)]
-    found = await store._catalog.manifests(None) if all_tenants else [m async for m in store.sessions()]
+    found = await store.catalog.manifests(None) if all_tenants else [m async for m in store.sessions()]
     live = [m for m in found if m.fingerprint == store.fingerprint and not m.expired()]
     return sorted(live, key=lambda m: (m.tenant, m.session_id))
 
 
-def _add(tar: tarfile.TarFile, members: dict[str, Member], data: codec.Buffer) -> str:
+def _add(tar: tarfile.TarFile, members: dict[str, Member], kv: torch.Tensor, fingerprint: str) -> str:
+    """Write `kv` as the next chunk member, its frame bound to the member's name (its key here)."""
     name = f"chunks/{len(members):06d}.kv"
+    data = codec.encode(kv, fingerprint, key=name)
     _put(tar, name, data)
     members[name] = Member(size=len(data), xxh3=xxhash.xxh3_64_hexdigest(data))
     return name
@@ -216,7 +219,7 @@ async def import_sessions(
             for i, name in enumerate([*s.chunks, *([s.tail] if s.tail else [])]):
                 a = i * s.chunk_tokens
                 b = min(a + s.chunk_tokens, len(s.tokens))
-                codec.decode_into(_member(tar, name, index), kv[:, :, a:b], fingerprint=store.fingerprint)
+                codec.decode_into(_member(tar, name, index), kv[:, :, a:b], key=name, fingerprint=store.fingerprint)
             scoped = store.for_tenant(owner)
             replaced += await _exists(scoped, s.session_id)
             await scoped.snapshot(
@@ -258,7 +261,7 @@ async def _check(
     for name, tokens in tokens_of.items():
         buf = _member(tar, name, index)
         try:
-            codec.decode(buf, fingerprint=store.fingerprint, dtype=store.spec.torch_dtype,
+            codec.decode(buf, key=name, fingerprint=store.fingerprint, dtype=store.spec.torch_dtype,
                          shape=store.spec.kv_shape(tokens))  # fmt: skip
         except AgentStateError as exc:
             raise CorruptDataError(f"archive member {name} is not a valid chunk: {exc}") from None

@@ -4,6 +4,10 @@ One synced LMDB transaction commits a manifest together with the reference-count
 implies, so a crash leaves either the old session or the new one and counts that match it.
 Chunks whose count reaches zero are returned to the caller for deletion; a crash before that
 deletion leaves orphans with no count, which `StateStore.gc` sweeps.
+
+A damaged catalog file is refused at open (`agentstate.backends.lmdb_env.open_env`: an empty or
+truncated `data.mdb` is CorruptDataError, never a fresh empty catalog), and every LMDB error is a
+typed one (damage CorruptDataError, a full disk CapacityError, the rest BackendError).
 """
 
 from __future__ import annotations
@@ -17,18 +21,27 @@ from typing import NamedTuple, TypeVar
 import lmdb
 
 from agentstate.backends.base import disk_full
-from agentstate.errors import BackendError, CapacityError, ConflictError
+from agentstate.backends.lmdb_env import DATA_FILE, lmdb_error, open_env
+from agentstate.errors import AgentStateError, BackendError, CapacityError, ConflictError
 from agentstate.manifest import SessionManifest, decode_manifest, encode_manifest
 
 _NO_VERSION = 0
+CATALOG_FORMAT = 2
 T = TypeVar("T")
 
 
 class Committed(NamedTuple):
     zeroed: list[str]
-    """chunk keys that lost their last reference (the caller deletes them)"""
+    """chunk and tail keys that lost their last reference (the caller collects them)"""
     old_tail: str | None
-    """the replaced version's tail: owned by that version alone, so the caller deletes it"""
+    """a shared catalog's replaced tail, which it does not count (the caller deletes it); the
+    local catalog counts tails like chunks and reports them in `zeroed`"""
+
+
+def _named(manifest: SessionManifest) -> list[str]:
+    """Every key a manifest keeps alive: its chunks and its tail. The tail is counted too, so gc
+    decides about tails by the same atomic count as chunks, never by a list read at another time."""
+    return [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
 
 
 class Catalog:
@@ -40,17 +53,61 @@ class Catalog:
     def __init__(self, path: str | Path, *, map_size: int = 64 << 20) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         self._path = Path(path)
+        self.created = not (self._path / DATA_FILE).exists()
+        """whether this open made a new, empty catalog (none was there)"""
+        self._env = open_env(self._path, "catalog", map_size=map_size, max_dbs=4)
         try:
-            self._env = lmdb.open(str(path), map_size=map_size, max_dbs=3, subdir=True)
-        except lmdb.Error as exc:
-            raise BackendError(f"cannot open catalog at {path}: {exc}") from exc
-        self._sessions = self._env.open_db(b"sessions")
-        self._refs = self._env.open_db(b"refs")
-        self._prefixes = self._env.open_db(b"prefixes")
+            self._sessions = self._env.open_db(b"sessions")
+            self._refs = self._env.open_db(b"refs")
+            self._prefixes = self._env.open_db(b"prefixes")
+            self._meta = self._env.open_db(b"meta")
+            self._upgrade()
+        except BaseException as exc:
+            self._env.close()
+            if isinstance(exc, lmdb.Error):
+                raise self._error(exc, "cannot open catalog") from exc
+            raise
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentstate-catalog")
 
+    def _upgrade(self) -> None:
+        """Bring an older catalog to this format, once, in one transaction: format 1 counted
+        chunks only; format 2 counts every manifest's tail too."""
+        with self._env.begin(write=True) as txn:
+            if txn.get(b"format", db=self._meta) is not None:
+                return
+            tails = [
+                m.tail_key
+                for _, raw in txn.cursor(db=self._sessions)
+                if (m := self._parse(raw)).tail_key is not None
+            ]
+            self._add_refs(txn, tails, +1)
+            txn.put(b"format", CATALOG_FORMAT.to_bytes(4, "little"), db=self._meta)
+
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._typed, fn, *args)
+
+    def _typed(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn` with LMDB's errors typed. A transaction refused with MDB_MAP_RESIZED (another
+        process grew the map past this one's) adopts the new size and runs `fn` once more: the
+        catalog has one worker thread, so none of its transactions is open then."""
+        for attempt in range(2):
+            try:
+                return fn(*args)
+            except lmdb.MapResizedError as exc:
+                if attempt:
+                    raise BackendError(f"catalog at {self._path}: {exc}") from exc
+                try:
+                    self._env.set_mapsize(0)
+                except lmdb.Error as again:
+                    raise lmdb_error(again, f"catalog at {self._path}: cannot adopt the new map size") from again
+            except lmdb.Error as exc:
+                raise self._error(exc, "catalog") from exc
+        raise AssertionError("unreachable")
+
+    def _error(self, exc: lmdb.Error, what: str) -> AgentStateError:
+        if disk_full(self._path, exc):
+            return CapacityError(f"{what} at {self._path}: the disk is full ({exc})")
+        return lmdb_error(exc, f"{what} at {self._path}")
 
     async def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run a write transaction body, growing the map when full (one thread: no txn is open then)."""
@@ -62,10 +119,6 @@ class Catalog:
                         return fn(txn)
                 except lmdb.MapFullError:
                     self._env.set_mapsize(self._env.info()["map_size"] * 2)
-                except lmdb.Error as exc:
-                    if disk_full(self._path, exc):
-                        raise CapacityError(f"catalog at {self._path}: the disk is full ({exc})") from exc
-                    raise BackendError(f"catalog write failed: {exc}") from exc
 
         return await self._run(run)
 
@@ -120,9 +173,9 @@ class Catalog:
                     f"session {manifest.session_id!r} is at version {found}, expected {expected_version}"
                 )
             txn.put(key, body, db=self._sessions)
-            self._add_refs(txn, manifest.chunk_keys, +1)
-            zeroed = self._add_refs(txn, old.chunk_keys if old else [], -1)
-            return Committed(zeroed, old.tail_key if old else None)
+            self._add_refs(txn, _named(manifest), +1)
+            zeroed = self._add_refs(txn, _named(old) if old else [], -1)
+            return Committed(zeroed, None)
 
         return await self._write(run)
 
@@ -132,7 +185,7 @@ class Catalog:
             if raw is None:
                 return None, []
             old = self._parse(raw)
-            return old, self._add_refs(txn, old.chunk_keys, -1)
+            return old, self._add_refs(txn, _named(old), -1)
 
         return await self._write(run)
 

@@ -83,12 +83,14 @@ def _run(op: Callable[[], Awaitable[T]]) -> T:
 
 def _with_store(
     path: Path, spec: Path | None, tenant: str | None, fn: Callable[[StateStore], Awaitable[T]], *,
-    create: bool = False, model: ModelSpec | None = None,
+    create: bool = False, model: ModelSpec | None = None, read_only: bool = False,
 ) -> T:  # fmt: skip
     from agentstate.admin import open_store
 
     async def go() -> T:
-        async with open_store(path, tenant=tenant, spec_file=spec, spec=model, create=create) as store:
+        async with open_store(
+            path, tenant=tenant, spec_file=spec, spec=model, create=create, read_only=read_only
+        ) as store:
             return await fn(store)
 
     return _run(go)
@@ -134,7 +136,7 @@ def ls(path: PathOpt = DEFAULT_PATH, spec: SpecOpt = None, tenant: TenantOpt = N
     """List the tenant's sessions."""
     from agentstate.admin import list_sessions
 
-    rows = _with_store(path, spec, tenant, list_sessions)
+    rows = _with_store(path, spec, tenant, list_sessions, read_only=True)
 
     def render() -> None:
         table = Table("session", "version", "tokens", "chunks", "tail", "size", "parent", "pinned", "ttl s")
@@ -161,7 +163,7 @@ def inspect(
     """A session's manifest, and for each chunk its key, size and the tiers that hold it."""
     from agentstate.admin import inspect_session
 
-    d = _with_store(path, spec, tenant, lambda s: inspect_session(s, session))
+    d = _with_store(path, spec, tenant, lambda s: inspect_session(s, session), read_only=True)
 
     def render() -> None:
         out.print(
@@ -185,7 +187,7 @@ def stats(path: PathOpt = DEFAULT_PATH, spec: SpecOpt = None, tenant: TenantOpt 
     """Tiers, sessions and what sharing saves."""
     from agentstate.admin import stats as run
 
-    r = _with_store(path, spec, tenant, run)
+    r = _with_store(path, spec, tenant, run, read_only=True)
 
     def render() -> None:
         out.print(
@@ -250,7 +252,7 @@ def verify(
     from agentstate.verify import verify as run
 
     with _progress(not json) as bars:
-        r = _with_store(path, spec, None, lambda s: run(s, repair=repair, progress=bars))
+        r = _with_store(path, spec, None, lambda s: run(s, repair=repair, progress=bars), read_only=not repair)
 
     def render() -> None:
         table = Table("tier", "checked", "ok", "corrupt", "missing", "repaired")
@@ -287,6 +289,7 @@ def export(
         r = _with_store(
             path, spec, tenant,
             lambda s: export_sessions(s, archive, session_ids=session or (), all_tenants=all_tenants, progress=bars),
+            read_only=True,
         )  # fmt: skip
     _emit(r, json, lambda: out.print(
         f"exported {r.sessions} sessions ({r.tokens} tokens, {r.chunks} chunks) to {r.archive}, {_size(r.bytes)}"

@@ -21,8 +21,9 @@ import torch
 from pydantic import BaseModel, ValidationError
 from typing_extensions import Self
 
-from agentstate.errors import AgentStateError, BackendError, CorruptDataError, NotFoundError
-from agentstate.keys import token_array, validate_id
+from agentstate import codec
+from agentstate.errors import AgentStateError, BackendError, CorruptDataError, InvalidArgumentError, NotFoundError
+from agentstate.keys import CHUNK_PREFIX, token_array, validate_id
 from agentstate.manifest import ResumeResult, SessionManifest
 from agentstate.spec import DTYPE_NAMES, ModelSpec
 from agentstate.wire import (
@@ -220,17 +221,45 @@ class AsyncClient:
         return True
 
     async def get_chunk(self, handle: str) -> bytes | None:
-        """The chunk in the codec format (`agentstate.codec.decode` it), or None when absent."""
+        """The chunk in the codec format (`decode_chunk(handle, raw)` it), or None when absent."""
         try:
             return (await self._call("GET", f"/v1/chunks/{quote(handle, safe='')}")).content
         except NotFoundError:
             return None
 
-    async def put_chunk(self, handle: str, chunk: bytes | bytearray | memoryview) -> bool:
-        """Store one codec-encoded chunk; False when the service already held it."""
+    async def put_chunk(self, handle: str, chunk: bytes | bytearray | memoryview | torch.Tensor) -> bool:
+        """Store one chunk: its KV (encoded here, bound to the handle's key), or bytes already
+        encoded for this handle (`encode_chunk`); False when the service already held it.
+
+        A value is bound to the key it is stored under, so bytes got under another handle (another
+        tenant's, another chunk's) are refused (InvalidArgumentError): decode them, then re-encode.
+        """
+        if isinstance(chunk, torch.Tensor):
+            chunk = await self.encode_chunk(handle, chunk)
         path = f"/v1/chunks/{quote(handle, safe='')}"
         response = await self._call("PUT", path, content=bytes(chunk), headers={"content-type": CHUNK_TYPE})
         return _parse(ChunkStored, response.content).stored
+
+    async def chunk_key(self, handle: str) -> str:
+        """The storage key a handle names on the service (`c/<fingerprint>/<digest>`): the key its
+        chunk's codec checksum is bound to."""
+        digest, dot, mac = handle.partition(".")
+        if not dot or len(digest) != 64 or len(mac) != 32 or not all(c in "0123456789abcdef" for c in digest + mac):
+            raise InvalidArgumentError(f"not a chunk handle: {handle[:100]!r}")
+        return f"{CHUNK_PREFIX}{(await self.spec()).fingerprint}/{digest}"
+
+    async def encode_chunk(self, handle: str, kv: torch.Tensor) -> bytearray:
+        """One chunk of canonical KV in the codec format, bound to the key `handle` names."""
+        spec = await self.spec()
+        out = codec.encode(kv, spec.fingerprint, key=await self.chunk_key(handle))
+        assert isinstance(out, bytearray)
+        return out
+
+    async def decode_chunk(self, handle: str, raw: bytes | bytearray | memoryview) -> torch.Tensor:
+        """Check a chunk got from `get_chunk(handle)` completely (spec, dtype, checksum bound to the
+        handle's key) and return its KV (a view over `raw`)."""
+        spec = await self.spec()
+        return codec.decode(raw, key=await self.chunk_key(handle), fingerprint=spec.fingerprint, dtype=spec.torch_dtype)
 
 
 async def _body(response: httpx.Response) -> bytearray:

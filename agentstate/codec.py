@@ -10,8 +10,13 @@ Layout (little endian)::
     24  5I  shape
     44  Q   payload length in bytes
     52  I   reserved (0)
-    56  Q   xxh3_64 of the payload, seeded with xxh3_64 of bytes 0..56 (so the header is covered)
+    56  Q   xxh3_64 of the payload, seeded with xxh3_64(bytes 0..56 + the key, UTF-8)
     64  ... payload: exactly the memory of the contiguous tensor
+
+The seed covers the header fields and the key the value is stored under, so a value is bound to
+its key: a valid chunk copied or swapped under another key fails its checksum like a damaged one
+(it would otherwise be served as the other chunk's KV). Every encode and decode names the key.
+Version 1 (checksum not bound to a key) is refused as an unsupported format: a miss, recomputed.
 
 No pickle and no torch.load: decoding only reinterprets bytes after every field checks out, and a
 buffer whose checksum fails never reaches a caller.
@@ -30,7 +35,7 @@ import xxhash
 from agentstate.errors import CorruptDataError, SpecMismatchError
 
 MAGIC = b"ASKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_SIZE = 64
 LAYOUT_CANONICAL = 0
 _FIELDS = struct.Struct("<4sHBB16s5IQI")  # bytes 0..56
@@ -64,16 +69,29 @@ def encoded_size(nbytes: int) -> int:
     return HEADER_SIZE + nbytes
 
 
-def _checksum(header: memoryview, payload: memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(payload, seed=xxhash.xxh3_64_intdigest(header[: _FIELDS.size]))
+def _key_bytes(key: str) -> bytes:
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"a chunk is bound to the key it is stored under: key must be a non-empty str, got {key!r}")
+    return key.encode()
 
 
-def encode(kv: torch.Tensor, fingerprint: str, out: bytearray | mmap.mmap | None = None) -> bytearray | mmap.mmap:
-    """Encode one chunk of canonical KV (any strides, CPU or not) into self-describing bytes.
+def _checksum(header: memoryview, payload: memoryview, key: bytes) -> int:
+    seed = xxhash.xxh3_64()
+    seed.update(header[: _FIELDS.size])
+    seed.update(key)
+    return xxhash.xxh3_64_intdigest(payload, seed=seed.intdigest())
+
+
+def encode(
+    kv: torch.Tensor, fingerprint: str, *, key: str, out: bytearray | mmap.mmap | None = None
+) -> bytearray | mmap.mmap:
+    """Encode one chunk of canonical KV (any strides, CPU or not) into self-describing bytes,
+    bound to `key`, the key the value will be stored under (decode must name the same key).
 
     Writes into `out` (exactly `encoded_size` bytes) or a fresh buffer. The single copy made here
     is also the gather that makes a strided slice layer-major.
     """
+    bound = _key_bytes(key)
     if kv.dtype not in DTYPE_CODES:
         raise CorruptDataError(f"dtype {kv.dtype} cannot be encoded")
     if kv.dim() != 5:
@@ -91,7 +109,7 @@ def encode(kv: torch.Tensor, fingerprint: str, out: bytearray | mmap.mmap | None
         out, 0, MAGIC, FORMAT_VERSION, DTYPE_CODES[kv.dtype], LAYOUT_CANONICAL,
         bytes.fromhex(fingerprint), *kv.shape, nbytes, 0,
     )  # fmt: skip
-    _CHECKSUM.pack_into(out, _FIELDS.size, _checksum(view, view[HEADER_SIZE:]))
+    _CHECKSUM.pack_into(out, _FIELDS.size, _checksum(view, view[HEADER_SIZE:], bound))
     return out
 
 
@@ -121,16 +139,19 @@ def read_header(buf: Buffer) -> ChunkHeader:
 def decode(
     buf: Buffer,
     *,
+    key: str,
     fingerprint: str,
     dtype: torch.dtype,
     shape: tuple[int, ...] | None = None,
     verify: bool = True,
 ) -> torch.Tensor:
-    """Check `buf` completely and return a zero-copy tensor view over its payload.
+    """Check `buf`, read under `key`, completely and return a zero-copy tensor view over its payload.
 
     The view shares memory with `buf`: copy out of it before the buffer is reused or released.
-    `verify=False` skips only the checksum, for bytes this process produced and kept in DRAM.
+    `verify=False` skips only the checksum (and so the key binding), for bytes this process
+    produced and kept in DRAM.
     """
+    bound = _key_bytes(key)
     view = memoryview(buf)
     head = read_header(view)
     if head.fingerprint != fingerprint:
@@ -140,14 +161,15 @@ def decode(
     if shape is not None and head.shape != tuple(shape):
         raise CorruptDataError(f"chunk shape {head.shape} is not the expected {tuple(shape)}")
     payload = view[HEADER_SIZE:]
-    if verify and _checksum(view, payload) != head.checksum:
-        raise CorruptDataError("chunk checksum mismatch")
+    if verify and _checksum(view, payload, bound) != head.checksum:
+        raise CorruptDataError("chunk checksum mismatch (damaged, or stored under another key: not this key's value)")
     if head.payload_len == 0:
         return torch.empty(head.shape, dtype=dtype)
     return torch.frombuffer(payload, dtype=dtype).view(head.shape)
 
 
-def decode_into(buf: Buffer, dest: torch.Tensor, *, fingerprint: str, verify: bool = True) -> None:
-    """Check `buf` against `dest`'s shape and dtype, then copy its payload into `dest` (any strides)."""
-    src = decode(buf, fingerprint=fingerprint, dtype=dest.dtype, shape=tuple(dest.shape), verify=verify)
+def decode_into(buf: Buffer, dest: torch.Tensor, *, key: str, fingerprint: str, verify: bool = True) -> None:
+    """Check `buf` (read under `key`) against `dest`'s shape and dtype, then copy its payload into
+    `dest` (any strides)."""
+    src = decode(buf, key=key, fingerprint=fingerprint, dtype=dest.dtype, shape=tuple(dest.shape), verify=verify)
     dest.copy_(src)

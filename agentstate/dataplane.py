@@ -24,11 +24,10 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, Request, Response
 
 from agentstate import codec
-from agentstate.errors import AgentStateError, CorruptDataError, InvalidArgumentError
+from agentstate.errors import CorruptDataError, InvalidArgumentError
 from agentstate.gate import ServiceContext, frame_response, off_loop, read_body
 from agentstate.keys import CHUNK_PREFIX, ChunkKey, chunk_keys, token_array
 from agentstate.store import StateStore
-from agentstate.tiers import TierManager
 from agentstate.wire import (
     CHUNK_TYPE,
     FRAME_TYPE,
@@ -77,35 +76,12 @@ class Handles:
 
 
 async def _held(store: StateStore, key: str) -> bool:
-    if not store.index.tiers_of(key):
-        await store.manager.discover([key])
-    return bool(store.index.tiers_of(key))
+    return (await store.chunks.present([key]))[0]
 
 
 async def read_chunk(store: StateStore, key: str) -> memoryview | None:
     """The codec bytes of `key` from the fastest tier holding an intact copy, checked; None if none."""
-    if not await _held(store, key):
-        return None
-    shape = store.spec.kv_shape(store.chunk_tokens)
-    store.index.pin([key])
-    try:
-        for tier in store.manager.holders(key):
-            value = await TierManager.read_bytes(tier, key)
-            if value is None:
-                continue
-            try:
-                codec.decode(
-                    value, fingerprint=store.fingerprint, dtype=store.spec.torch_dtype, shape=shape,
-                    verify=not tier.backend.trusted,
-                )  # fmt: skip
-            except AgentStateError as exc:
-                log.warning("tier %s: chunk %s failed its checks (%s); not served", tier.name, key, exc)
-                continue
-            await store.manager.hit(tier, [key], {})
-            return memoryview(value)
-    finally:
-        store.index.unpin([key])
-    return None
+    return await store.chunks.read_value(key, store.chunk_tokens)
 
 
 def register(app: FastAPI, ctx: ServiceContext, handles: Handles) -> None:
@@ -164,22 +140,22 @@ def register(app: FastAPI, ctx: ServiceContext, handles: Handles) -> None:
 
     @app.put("/v1/chunks/{handle}", response_model=ChunkStored, tags=["data plane"], openapi_extra=_CHUNK_BODY)
     async def put_chunk(handle: str, request: Request, response: Response, store: Store) -> ChunkStored:
-        """Store one chunk (codec format, this spec, `chunk_tokens` tokens); 201 if new, 200 if held."""
+        """Store one chunk (codec format, this spec, `chunk_tokens` tokens, encoded under the key
+        `c/<fingerprint>/<digest of the handle>`); 201 if new, 200 if held."""
         key = handles.key(store, handle)
         body = await read_body(request)
         shape = store.spec.kv_shape(store.chunk_tokens)
         try:
             await off_loop(
-                lambda: codec.decode(body, fingerprint=store.fingerprint, dtype=store.spec.torch_dtype, shape=shape)
+                lambda: codec.decode(
+                    body, key=key, fingerprint=store.fingerprint, dtype=store.spec.torch_dtype, shape=shape
+                )
             )
         except CorruptDataError as exc:
             raise InvalidArgumentError(f"chunk rejected: {exc}") from None
         if await _held(store, key):
             return ChunkStored(stored=False)
-        store.index.pin([key])
-        try:
-            await store.manager.store([key], [body], durable=False)
-        finally:
-            store.index.unpin([key])
+        with store.chunks.pinned([key]):
+            await store.chunks.put_values([key], [body])
         response.status_code = 201
         return ChunkStored(stored=True)

@@ -46,6 +46,18 @@ class CapacityError(AgentStateError):
     """A tier is full and nothing can be evicted, or a configured size limit was reached."""
 
 
+class DataDirLockedError(AgentStateError):
+    """Another opener holds the data directory (a writer excludes everyone else; readers share).
+
+    `pid` is the writer's process id when it recorded one."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, pid: int | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
 class ConflictError(AgentStateError):
     """A concurrent writer changed the same object first (e.g. a session version)."""
 

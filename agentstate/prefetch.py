@@ -12,10 +12,10 @@ arrive). The handle is what `StateStore.load(..., prefetch=handle)` completes un
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Literal
 
-from agentstate.index import ChunkIndex
 from agentstate.io import Batch
 from agentstate.tiers import Value
 
@@ -23,13 +23,12 @@ PrefetchPolicy = Literal["wait_complete", "best_effort", "timeout"]
 
 
 class PrefetchHandle:
-    def __init__(self, keys: Sequence[str], index: ChunkIndex) -> None:
+    def __init__(self, keys: Sequence[str], pinned: Callable[[Iterable[str]], AbstractContextManager[None]]) -> None:
         self.keys = list(keys)
         self.staged: dict[str, Value] = {}
-        self._index = index
         self._batch: Batch[None] | None = None
-        self._pinned = True
-        index.pin(self.keys)  # nothing this prefetch relies on is evicted or collected meanwhile
+        self._hold: AbstractContextManager[None] | None = pinned(self.keys)
+        self._hold.__enter__()  # nothing this prefetch relies on is evicted or collected meanwhile
 
     def start(self, batch: Batch[None]) -> None:
         self._batch = batch
@@ -48,9 +47,9 @@ class PrefetchHandle:
             task.add_done_callback(finished)
 
     def _release(self) -> None:
-        if self._pinned:
-            self._index.unpin(self.keys)
-            self._pinned = False
+        if self._hold is not None:
+            hold, self._hold = self._hold, None
+            hold.__exit__(None, None, None)
 
     @property
     def done(self) -> bool:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from agentstate.catalog import Committed
 from agentstate.errors import (
@@ -52,12 +54,15 @@ class SessionOps(StoreBase):
         expected_version: int | None = None,
         force: bool = False,
     ) -> SessionManifest:
-        """Durably store a session: chunks and tail reach the record tier first, then the manifest commits.
+        """Durably store a session: chunks and tail reach the record tier first (one durable write),
+        then the manifest commits.
 
         A crash leaves the previous version or this one, never a mix. `expected_version` is the
         version this writer last saw (e.g. the one it resumed): when another writer, on this host
         or another, committed since, this raises ConflictError and leaves that writer's session
-        untouched. `force=True` makes this write win on top of whatever is there.
+        untouched. A session stored for another ModelSpec is never replaced silently
+        (SpecMismatchError). `force=True` makes this write win on top of whatever is there.
+        Every argument is checked before anything is written.
         """
         validate_id(session_id)
         packed = token_array(tokens)
@@ -65,52 +70,75 @@ class SessionOps(StoreBase):
             raise InvalidArgumentError("a session needs at least one token")
         self.spec.check_kv(kv, len(packed))
         state = _json_object(state)
+        _check_options(ttl_seconds=ttl_seconds, pinned=pinned, expected_version=expected_version, force=force)
         keys = self._keys(packed)
         full = len(keys) * self.chunk_tokens
         async with self._session_lock(session_id):
-            prev = await self._catalog.get(self.tenant, session_id)
+            prev = await self.catalog.get(self.tenant, session_id)
             base = prev.version if prev else 0
+            if prev is not None and prev.fingerprint != self.fingerprint and not force:
+                raise SpecMismatchError(
+                    f"session {session_id!r} holds state of spec {prev.fingerprint}, this store serves"
+                    f" {self.fingerprint}; snapshot with force=True to replace it"
+                )
             if expected_version is not None and expected_version != base and not force:
                 raise ConflictError(f"session {session_id!r} is at version {base}, expected {expected_version}")
             tkey = tail_key(self.fingerprint, self.tenant, session_id, base + 1) if len(packed) > full else None
-            with self._pinned(keys + ([tkey] if tkey else [])):
-                await self._store_chunks(keys, kv, durable=True)
-                if tkey:
-                    await self._transfer.write([tkey], [kv[:, :, full:]], durable=True)
-                stamp = now()
-                manifest = SessionManifest(
-                    session_id=session_id, tenant=self.tenant, fingerprint=self.fingerprint,
-                    chunk_tokens=self.chunk_tokens, tokens=packed.tolist(), chunk_keys=keys, tail_key=tkey,
-                    state=state, version=base + 1, parent=prev.parent if prev else None,
-                    created_at=prev.created_at if prev else stamp, updated_at=stamp,
-                    ttl_seconds=ttl_seconds, pinned=pinned,
-                )  # fmt: skip
-                try:
+            stamp = now()
+            manifest = _manifest_or_invalid(
+                session_id=session_id, tenant=self.tenant, fingerprint=self.fingerprint,
+                chunk_tokens=self.chunk_tokens, tokens=packed.tolist(), chunk_keys=keys, tail_key=tkey,
+                state=state, version=base + 1, parent=prev.parent if prev else None,
+                created_at=prev.created_at if prev else stamp, updated_at=stamp,
+                ttl_seconds=ttl_seconds, pinned=pinned,
+            )  # fmt: skip
+            named = keys + ([tkey] if tkey else [])
+            try:
+                with self.chunks.pinned(named):
+                    new = await self.chunks.missing(keys, durable=True)
+                    slices = self._slices(kv, len(keys))
+                    write_keys = [keys[i] for i in new] + ([tkey] if tkey else [])
+                    write_kv = [slices[i] for i in new] + ([kv[:, :, full:]] if tkey else [])
+                    if write_keys:
+                        await self.chunks.write(write_keys, write_kv, durable=True)
+                    manifest = manifest.model_copy(update={"updated_at": now()})
                     manifest, committed = await self._commit(manifest, base, force=force)
-                except AgentStateError:
-                    if tkey:  # written under a name unique to this attempt: nothing else names it
-                        await self.manager.delete([tkey])
-                    raise
+            except BaseException as exc:
+                await self._discard_attempt(keys, tkey, exc)
+                raise
             await self._collect(committed.zeroed)
             if committed.old_tail and committed.old_tail != tkey:
-                await self.manager.delete([committed.old_tail])
+                await self.chunks.delete([committed.old_tail])
         return manifest
+
+    async def _discard_attempt(self, keys: Sequence[str], tkey: str | None, exc: BaseException) -> None:
+        """Remove what a failed snapshot or fork wrote, from every tier, unless it committed after all.
+
+        Local catalog: collected by count, so what a commit names (this one, if it landed before
+        a cancellation, or another's) stays. Shared catalog: the tail only, and only when the
+        commit surely failed (a conflict); anything else is left for gc's mark and sweep.
+        """
+        with contextlib.suppress(AgentStateError):
+            if not self.catalog.shared:
+                await self._collect([*keys, *([tkey] if tkey else [])])
+            elif tkey and isinstance(exc, ConflictError | SpecMismatchError):
+                await self.chunks.delete([tkey])
 
     async def _commit(self, manifest: SessionManifest, base: int, *, force: bool) -> tuple[SessionManifest, Committed]:
         """Compare-and-set on the version; under `force`, retry on top of each newer version seen."""
         for _ in range(_FORCE_RETRIES):
             try:
-                return manifest, await self._catalog.commit(manifest, base or None)
+                return manifest, await self.catalog.commit(manifest, base or None)
             except ConflictError:
                 if not force:
                     raise
-                base = await self._catalog.version(manifest.tenant, manifest.session_id)
+                base = await self.catalog.version(manifest.tenant, manifest.session_id)
                 manifest = manifest.model_copy(update={"version": base + 1})
         raise ConflictError(f"session {manifest.session_id!r} kept changing: {_FORCE_RETRIES} forced commits lost")
 
     async def _manifest(self, session_id: str) -> SessionManifest:
         validate_id(session_id)
-        manifest = await self._catalog.get(self.tenant, session_id)
+        manifest = await self.catalog.get(self.tenant, session_id)
         if manifest is None or manifest.expired():
             raise SessionNotFoundError(f"no session {session_id!r}")
         if manifest.fingerprint != self.fingerprint:
@@ -133,19 +161,19 @@ class SessionOps(StoreBase):
         manifest = await self._manifest(session_id)
         kv = None
         if into is None:
-            kv = self._buffers.tensor(self.spec.kv_shape(manifest.num_tokens), self.spec.torch_dtype)
+            kv = self.chunks.host_tensor(self.spec.kv_shape(manifest.num_tokens), self.spec.torch_dtype)
         target = self._target(kv if kv is not None else into)
         if target.num_tokens < manifest.num_tokens:
             raise KVShapeError(
                 f"into holds {target.num_tokens} tokens, session {session_id!r} has {manifest.num_tokens}"
             )
         keys: list[str] = [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
-        with self._pinned(keys):
-            await self.manager.discover(keys)
+        with self.chunks.pinned(keys):
+            await self.chunks.discover(keys)
             # the manifest's chunk size, not this store's: a directory reopened with another
             # chunk_tokens still resumes what it holds
             spans = self._spans(len(manifest.chunk_keys), manifest.num_tokens, manifest.chunk_tokens)
-            ok = await self._transfer.read(keys, spans, target)
+            ok = await self.chunks.read(keys, spans, target)
         target.synchronize()
         lead = _leading(ok)
         restored = manifest.num_tokens if lead == len(keys) else lead * manifest.chunk_tokens
@@ -165,96 +193,107 @@ class SessionOps(StoreBase):
         )
 
     async def fork(self, source_id: str, new_id: str) -> SessionManifest:
-        """A new session sharing every chunk of `source_id` (no copy); only the small tail is copied."""
-        src = await self._manifest(source_id)
+        """A new session sharing every chunk of `source_id` (no copy); only the small tail is copied.
+
+        The fork names chunks it does not write, so it commits only after checking, under its
+        pins, that the record tier still holds every one of them (a concurrent delete of the
+        source and gc may have taken them); if not, it reads the source again.
+        """
+        validate_id(source_id)
         validate_id(new_id)
         async with self._session_lock(new_id):
-            if await self._catalog.get(self.tenant, new_id) is not None:
+            if await self.catalog.get(self.tenant, new_id) is not None:
                 raise ConflictError(f"session {new_id!r} already exists")
-            tkey = None
-            pins: list[str] = list(src.chunk_keys)
-            if src.tail_key:
-                tkey = tail_key(self.fingerprint, self.tenant, new_id, 1)
-                pins.append(tkey)
-            with self._pinned(pins):
-                if self.record.backend.remote:
-                    await self._missing_remote(src.chunk_keys)  # touched: no host's gc takes them now
-                if src.tail_key and tkey:
-                    tail = self.spec.empty_kv(src.tail_tokens)
-                    await self.manager.discover([src.tail_key])
-                    span = [(0, src.tail_tokens)]
-                    if not (await self._transfer.read([src.tail_key], span, TensorTarget(tail, self.spec)))[0]:
-                        raise CorruptDataError(f"tail of session {source_id!r} is missing or corrupt")
-                    await self._transfer.write([tkey], [tail], durable=True)
-                stamp = now()
-                fields = {"session_id": new_id, "tail_key": tkey, "version": 1, "parent": source_id}
-                manifest = src.model_copy(update={**fields, "created_at": stamp, "updated_at": stamp})
-                await self._catalog.commit(manifest, None)
-        return manifest
+            for _ in range(_FORCE_RETRIES):
+                src = await self._manifest(source_id)
+                tkey = tail_key(self.fingerprint, self.tenant, new_id, 1) if src.tail_key else None
+                with self.chunks.pinned([*src.chunk_keys, *([src.tail_key, tkey] if tkey else [])]):
+                    if not await self.chunks.durable(src.chunk_keys):
+                        continue  # the source changed under us: its chunks went with an older version
+                    try:
+                        if src.tail_key and tkey:
+                            await self._copy_tail(source_id, src, tkey)
+                        stamp = now()
+                        fields = {"session_id": new_id, "tail_key": tkey, "version": 1, "parent": source_id}
+                        manifest = src.model_copy(update={**fields, "created_at": stamp, "updated_at": stamp})
+                        await self.catalog.commit(manifest, None)
+                    except BaseException as exc:
+                        await self._discard_attempt([], tkey, exc)
+                        raise
+                return manifest
+        raise ConflictError(f"session {source_id!r} kept changing while it was forked")
+
+    async def _copy_tail(self, source_id: str, src: SessionManifest, tkey: str) -> None:
+        assert src.tail_key is not None
+        tail = self.spec.empty_kv(src.tail_tokens)
+        await self.chunks.discover([src.tail_key])
+        span = [(0, src.tail_tokens)]
+        if not (await self.chunks.read([src.tail_key], span, TensorTarget(tail, self.spec)))[0]:
+            raise CorruptDataError(f"tail of session {source_id!r} is missing or corrupt")
+        await self.chunks.write([tkey], [tail], durable=True)
 
     async def delete(self, session_id: str) -> None:
         """Remove a session; chunks no other session or prefix references are deleted (shared
         stores: by the next gc, see `gc`)."""
         validate_id(session_id)
         async with self._session_lock(session_id):
-            manifest, zeroed = await self._catalog.remove(self.tenant, session_id)
+            manifest, zeroed = await self.catalog.remove(self.tenant, session_id)
             if manifest is None:
                 raise SessionNotFoundError(f"no session {session_id!r}")
             await self._collect(zeroed)
-            if manifest.tail_key:
-                await self.manager.delete([manifest.tail_key])
+            if self.catalog.shared and manifest.tail_key:
+                await self.chunks.delete([manifest.tail_key])
 
     async def sessions(self) -> AsyncIterator[SessionManifest]:
-        for manifest in await self._catalog.manifests(self.tenant):
+        for manifest in await self.catalog.manifests(self.tenant):
             if not manifest.expired():
                 yield manifest
 
     async def gc(self) -> int:
         """Delete expired sessions, then chunks and tails nothing references; returns how many went.
 
-        Local catalog: reference counts say what is garbage (crash leftovers). Shared catalog:
-        mark and sweep, every tier of this host and the remote tiers, where a chunk is deleted
-        only if unused for `gc_grace_seconds` (a snapshot on another host may be about to name it).
+        Local catalog: every local durable tier is swept, and a key goes only when the catalog's
+        count (tails counted too) is zero and nothing pins it, decided after it is marked, so a
+        commit running beside gc never loses what it names. Shared catalog: mark and sweep,
+        every tier of this host and the remote tiers, where a chunk is deleted only if unused
+        for `gc_grace_seconds` (a snapshot on another host may be about to name it).
         """
         removed = 0
-        for manifest in await self._catalog.manifests(self.tenant):
+        for manifest in await self.catalog.manifests(self.tenant):
             if manifest.expired():
                 with contextlib.suppress(SessionNotFoundError):
                     await self.delete(manifest.session_id)
                     removed += 1
-        if self._catalog.shared:
-            return removed + await self._sweep_shared()
-        fp = self.fingerprint
-        record = self.record.backend
-        chunk = [k async for k in record.keys(f"{CHUNK_PREFIX}{fp}/") if not self.index.pinned(k)]
-        counts = await self._catalog.refcounts(chunk)
-        orphans = [k for k, n in zip(chunk, counts) if n == 0]
-        await self._collect(orphans)
-        live_tails = {m.tail_key for m in await self._catalog.manifests(None)}
-        tails = [
-            k async for k in record.keys(f"{TAIL_PREFIX}{fp}/") if k not in live_tails and not self.index.pinned(k)
-        ]
-        if tails:
-            await self.manager.delete(tails)
-        return removed + len(orphans) + len(tails)
+        if self.catalog.shared:
+            live = await self.catalog.prefix_keys()  # type: ignore[union-attr]
+            for manifest in await self.catalog.manifests(None):
+                live.update(manifest.chunk_keys)
+                if manifest.tail_key:
+                    live.add(manifest.tail_key)
+            return removed + await self.chunks.sweep_shared(self.key_prefixes, live)
+        return removed + await self.chunks.sweep(self.key_prefixes, self.catalog.refcounts)
 
-    async def _sweep_shared(self) -> int:
-        live = await self._catalog.prefix_keys()  # type: ignore[union-attr]
-        for manifest in await self._catalog.manifests(None):
-            live.update(manifest.chunk_keys)
-            if manifest.tail_key:
-                live.add(manifest.tail_key)
-        removed = 0
-        for tier in self.manager.tiers:
-            found = [k for p in (CHUNK_PREFIX, TAIL_PREFIX) async for k in tier.backend.keys(f"{p}{self.fingerprint}/")]
-            dead = [k for k in found if k not in live and not self.index.pinned(k)]
-            if tier.backend.remote:
-                dead = await tier.backend.delete_idle(dead, self.config.gc_grace_seconds)
-                self.manager.note(tier, dead, [False] * len(dead))
-            elif dead:
-                await self.manager.delete(dead, [tier])
-            removed += len(dead)
-        return removed
+
+def _check_options(*, ttl_seconds: Any, pinned: Any, expected_version: Any, force: Any) -> None:
+    """Snapshot options, checked before anything is written."""
+    if ttl_seconds is not None:
+        if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int | float):
+            raise InvalidArgumentError(f"ttl_seconds must be a number of seconds, got {type(ttl_seconds).__name__}")
+        if not math.isfinite(ttl_seconds) or ttl_seconds <= 0:
+            raise InvalidArgumentError(f"ttl_seconds must be finite and > 0, got {ttl_seconds!r}")
+    if not isinstance(pinned, bool) or not isinstance(force, bool):
+        raise InvalidArgumentError("pinned and force must be booleans")
+    if expected_version is not None and (
+        isinstance(expected_version, bool) or not isinstance(expected_version, int) or expected_version < 0
+    ):
+        raise InvalidArgumentError(f"expected_version must be an int >= 0, got {expected_version!r}")
+
+
+def _manifest_or_invalid(**fields: Any) -> SessionManifest:
+    try:
+        return SessionManifest(**fields)
+    except ValidationError as exc:
+        raise InvalidArgumentError(f"invalid session: {exc}") from None
 
 
 def _leading(ok: Sequence[bool]) -> int:

@@ -82,6 +82,8 @@ class ModelSpec(BaseModel):
         """Return `kv` if it is canonical KV for this spec (and `num_tokens` long), else raise."""
         if not isinstance(kv, torch.Tensor):
             raise KVShapeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        if kv.layout != torch.strided or kv.device.type == "meta" or kv.is_quantized:
+            raise KVShapeError(f"kv must be a dense tensor holding data, got {kv.layout} on {kv.device}")
         if kv.dtype != self.torch_dtype:
             raise KVShapeError(f"kv dtype {kv.dtype} does not match spec dtype {self.dtype}")
         if kv.dim() != 5:

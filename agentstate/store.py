@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from pathlib import Path
@@ -13,12 +14,9 @@ from pydantic import BaseModel
 
 from agentstate.backends.base import BackendStats
 from agentstate.config import StoreConfig
+from agentstate.errors import AgentStateError
 from agentstate.io import Batch, batches
-from agentstate.keys import (
-    CHUNK_PREFIX,
-    TAIL_PREFIX,
-    token_array,
-)
+from agentstate.keys import token_array
 from agentstate.manifest import MatchResult
 from agentstate.prefetch import PrefetchHandle, PrefetchPolicy, deadline_for
 from agentstate.sessions import SessionOps, _leading
@@ -46,22 +44,25 @@ class StateStore(SessionOps):
 
     @classmethod
     def open(cls, path_or_config: str | Path | StoreConfig, spec: ModelSpec, **overrides: Any) -> _Opening:
+        """Open a data directory (taking its lock: one writer at a time, DataDirLockedError otherwise).
+
+        `read_only=True` shares the lock with other readers instead (the admin CLI's inspecting
+        commands); such a store must not be written.
+        """
+        read_only = bool(overrides.pop("read_only", False))
         if isinstance(path_or_config, StoreConfig):
             config = path_or_config.model_copy(update=overrides) if overrides else path_or_config
         else:
             config = StoreConfig(path=Path(path_or_config), **overrides)
-        return _Opening(cls(config, spec))
+        return _Opening(cls(config, spec, read_only=read_only))
 
     async def _start(self) -> StateStore:
-        """Rebuild the index from the persistent tier: a reopened store finds all it had."""
-        fp = self.fingerprint
-        found: dict[str, list[str]] = {}
-        for tier in self.manager.tiers:
-            if tier.backend.durable and not tier.backend.remote:
-                found[tier.name] = [
-                    k for p in (CHUNK_PREFIX, TAIL_PREFIX) async for k in tier.backend.keys(f"{p}{fp}/")
-                ]
-        await self.manager.adopt_existing(found)
+        """Adopt what the persistent tiers hold: a reopened store finds all it had."""
+        try:
+            await self.chunks.open(self.key_prefixes)
+        except BaseException:
+            await self.close()
+            raise
         return self
 
     async def __aenter__(self) -> StateStore:
@@ -80,25 +81,28 @@ class StateStore(SessionOps):
         packed = token_array(tokens)
         self.spec.check_kv(kv, len(packed))
         keys = self._keys(packed)
-        with self._pinned(keys):
-            new = await self._store_chunks(keys, kv, durable=False)
-            await self._catalog.add_prefix(keys)
-        return new * self.chunk_tokens
+        if not keys:
+            return 0
+        new: list[int] = []
+        try:
+            with self.chunks.pinned(keys):
+                new = await self.chunks.missing(keys, durable=False)
+                if new:
+                    slices = self._slices(kv, len(keys))
+                    await self.chunks.write([keys[i] for i in new], [slices[i] for i in new], durable=False)
+                await self.catalog.add_prefix(keys)
+        except BaseException:
+            with contextlib.suppress(AgentStateError):  # what this call wrote and nothing names goes
+                await self._collect([keys[i] for i in new])
+            raise
+        return len(new) * self.chunk_tokens
 
     async def match(self, tokens: Sequence[int] | torch.Tensor) -> MatchResult:
         """How many leading tokens are cached (whole chunks), and which tier serves each chunk."""
         keys = self._keys(token_array(tokens))
-        n = await self._longest_prefix(keys)
-        tiers = [self.manager.fastest(k) or "" for k in keys[:n]]
+        n = await self.chunks.lookup(keys)
+        tiers = [self.chunks.fastest(k) or "" for k in keys[:n]]
         return MatchResult(tokens=n * self.chunk_tokens, chunks=n, tiers=tiers)
-
-    async def _longest_prefix(self, keys: Sequence[str]) -> int:
-        """Index first; the keys past what it knows are asked of remote tiers in one batch."""
-        n = self.index.longest_prefix(keys)
-        if n < len(keys):
-            await self.manager.discover(keys[n:])
-            n = self.index.longest_prefix(keys)
-        return n
 
     async def prefetch(self, tokens: Sequence[int] | torch.Tensor) -> PrefetchHandle:
         """Start bringing the matched prefix of `tokens` into host memory; `load` completes it.
@@ -107,23 +111,20 @@ class StateStore(SessionOps):
         lacks); the reads go on in the background.
         """
         keys = self._keys(token_array(tokens))
-        keys = keys[: await self._longest_prefix(keys)]
-        handle = PrefetchHandle(keys, self.index)
-        slow = [k for k in keys if not self._in_memory(k)]
+        keys = keys[: await self.chunks.lookup(keys)]
+        handle = PrefetchHandle(keys, self.chunks.pinned)
+        slow = [k for k in keys if not self.chunks.in_memory(k)]
         runs = batches([self.chunk_tokens * self.spec.token_bytes] * len(slow), self.config.batch_bytes)
 
         def op(run: list[str]) -> Callable[[], Awaitable[None]]:
             async def go() -> None:
-                handle.staged.update(await self._transfer.fetch(run, [self.chunk_tokens] * len(run)))
+                handle.staged.update(await self.chunks.fetch(run, [self.chunk_tokens] * len(run)))
 
             return go
 
         # One task per run, ungated: their reads go through the IO engine, which bounds them.
         handle.start(Batch([asyncio.ensure_future(op([slow[i] for i in run])()) for run in runs]))
         return handle
-
-    def _in_memory(self, key: str) -> bool:
-        return any(not t.backend.durable for t in self.manager.holders(key))
 
     async def load(
         self,
@@ -143,7 +144,7 @@ class StateStore(SessionOps):
         target = self._target(into)
         packed = token_array(tokens)
         keys = self._keys(packed)
-        n = min(await self._longest_prefix(keys), target.num_tokens // self.chunk_tokens)
+        n = min(await self.chunks.lookup(keys), target.num_tokens // self.chunk_tokens)
         policy = policy or self.config.prefetch_policy
         deadline = deadline_for(
             policy, n * self.chunk_tokens, timeout=timeout, base=self.config.prefetch_timeout_base_s,
@@ -155,19 +156,16 @@ class StateStore(SessionOps):
         else:
             prefetch = prefetch or await self.prefetch(packed)
             await prefetch.wait(deadline)
-            n = min(n, prefetch.ready(self._in_memory))
-        with self._pinned(keys[:n]):
-            ok = await self._transfer.read(
-                keys[:n], self._spans(n), target, staged=prefetch.staged if prefetch else None
-            )
+            n = min(n, prefetch.ready(self.chunks.in_memory))
+        with self.chunks.pinned(keys[:n]):
+            ok = await self.chunks.read(keys[:n], self._spans(n), target, staged=prefetch.staged if prefetch else None)
         target.synchronize()
         return _leading(ok) * self.chunk_tokens
 
     async def stats(self) -> StoreStats:
         return StoreStats(
-            fingerprint=self.fingerprint, tenant=self.tenant, sessions=await self._catalog.session_count(),
-            indexed_keys=len(self.index), tiers=[await t.stats() for t in self.tiers],
-            counters={**self._transfer.counts, **self.manager.counts, "io_peak_in_flight": self.io.peak_in_flight},
+            fingerprint=self.fingerprint, tenant=self.tenant, sessions=await self.catalog.session_count(),
+            indexed_keys=len(self.chunks), tiers=await self.chunks.stats(), counters=self.chunks.counters(),
         )  # fmt: skip
 
 

@@ -217,10 +217,11 @@ class TierManager:
             )
             if victim is None:
                 return False
-            await self._evict(tier, victim)
+            await self.evict(tier, victim)
         return True
 
-    async def _evict(self, tier: Tier, key: str) -> None:
+    async def evict(self, tier: Tier, key: str) -> None:
+        """Drop `key` from a cache tier, writing it down first when no tier below holds it."""
         below = self._below(tier)
         if below and not any(self.index.holds(key, t.name) for t in below):
             value = await self.read_bytes(tier, key)

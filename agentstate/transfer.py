@@ -48,6 +48,7 @@ class Transfer:
         self.batch_bytes = batch_bytes
         self.promote = promote
         self.counts: Counter[str] = Counter()
+        self.read_only = False
         self._background: set[asyncio.Future[object]] = set()
 
     async def _forget(self, tier: Tier, missing: list[str], corrupt: list[str]) -> None:
@@ -57,6 +58,10 @@ class Transfer:
         it is only forgotten by the index, never deleted there. Cleanup that fails (the tier is
         down) is counted and left for the next read or gc: it must not fail a restore.
         """
+        if self.read_only:  # a reader of a directory it does not own never deletes: forget only
+            for key in missing + corrupt:
+                self.manager.index.discard([key], tier.name)
+            return
         if tier.backend.remote:
             self.manager.note(tier, missing, [False] * len(missing))
             doomed = corrupt
@@ -91,7 +96,7 @@ class Transfer:
             def copy() -> None:
                 for i in from_staged:
                     src = codec.decode(
-                        staged[keys[i]], fingerprint=self.fingerprint, dtype=self.spec.torch_dtype,
+                        staged[keys[i]], key=keys[i], fingerprint=self.fingerprint, dtype=self.spec.torch_dtype,
                         shape=self.spec.kv_shape(spans[i][1]), verify=False,
                     )  # fmt: skip
                     target.write(spans[i][0], src)
@@ -157,6 +162,7 @@ class Transfer:
                 try:
                     src = codec.decode(
                         view,
+                        key=keys[i],
                         fingerprint=self.fingerprint,
                         dtype=dtype,
                         shape=self.spec.kv_shape(tokens[i]),
@@ -206,23 +212,25 @@ class Transfer:
     # -- writes --------------------------------------------------------------------------------
 
     async def write(self, keys: Sequence[str], chunks: Sequence[torch.Tensor], *, durable: bool) -> int:
-        """Encode `chunks` and store them where the write policy says; returns encoded bytes."""
+        """Encode `chunks` and store them where the write policy says; returns encoded bytes.
+
+        Batches encode in parallel on the pool, then everything goes to the tiers in one store
+        call: a snapshot's chunks and tail reach the record tier in one durable write (one LMDB
+        transaction, one fsync) before its manifest commits.
+        """
         sizes = [codec.encoded_size(c.numel() * c.element_size()) for c in chunks]
         loop = asyncio.get_running_loop()
 
-        def writer(run: list[int]) -> Callable[[], Awaitable[None]]:
-            async def go() -> None:
-                values = await loop.run_in_executor(
-                    self.pool,
-                    lambda: [codec.encode(chunks[i], self.fingerprint, host_buffer(sizes[i])) for i in run],
-                )
-                await self.manager.store([keys[i] for i in run], values, durable=durable)
+        def encoder(run: list[int]) -> Callable[[], Awaitable[list[Value]]]:
+            def encode() -> list[Value]:
+                return [codec.encode(chunks[i], self.fingerprint, key=keys[i], out=host_buffer(sizes[i])) for i in run]
 
-            return go
+            return lambda: loop.run_in_executor(self.pool, encode)
 
-        # Batches share the IO engine's slots: encoding overlaps writing, and concurrent puts to
-        # the record tier meet in one group-committed transaction.
-        await self.io.gather([writer(run) for run in batches(sizes, self.batch_bytes)])
+        runs = batches(sizes, self.batch_bytes)
+        encoded = await self.io.gather([encoder(run) for run in runs])
+        order = [i for run in runs for i in run]
+        await self.manager.store([keys[i] for i in order], [v for vs in encoded for v in vs], durable=durable)
         self.counts["bytes_written"] += sum(sizes)
         return sum(sizes)
 

@@ -16,7 +16,6 @@ from agentstate.io import batches
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
-from agentstate.tiers import Tier
 
 
 class BadChunk(BaseModel):
@@ -56,12 +55,14 @@ class VerifyReport(BaseModel):
 
 async def verify(store: StateStore, *, repair: bool = False, progress: Progress = QUIET) -> VerifyReport:
     """Check every stored chunk and tail of this spec, in every tier, with the codec (magic,
-    version, fingerprint, dtype, shape, length, xxh3 of the payload; no unpickling: the codec only
-    reads raw bytes). `repair=True` deletes corrupt copies, so reads see
-    misses, and writes a good copy found in another tier back into the record tier, so no durable
-    copy stays lost; what no tier holds intact, the next snapshot of its session rewrites. Sessions of every tenant are checked, since tenants share the tiers.
+    version, fingerprint, dtype, shape, length, xxh3 of the payload seeded with the key, so a valid
+    value stored under another key is reported too; no unpickling: the codec only reads raw bytes).
+    `repair=True` deletes corrupt copies, so reads see misses, and writes a good copy found in
+    another tier back into the record tier, so no durable copy stays lost; what no tier holds
+    intact, the next snapshot of its session rewrites. Sessions of every tenant are checked, since
+    tenants share the tiers.
     """
-    manifests = [m for m in await store._catalog.manifests(None) if m.fingerprint == store.fingerprint]
+    manifests = [m for m in await store.catalog.manifests(None) if m.fingerprint == store.fingerprint]
     manifests = [m for m in manifests if not m.expired()]
     expected: dict[str, int] = {}
     for m in manifests:
@@ -73,25 +74,25 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
     corrupt: list[BadChunk] = []
     missing: list[str] = []
     record_lacks: list[str] = []
-    for tier in store.manager.tiers:
+    for tier in store.chunks.tier_names:
         prefixes = (f"{CHUNK_PREFIX}{store.fingerprint}/", f"{TAIL_PREFIX}{store.fingerprint}/")
-        listed = [k for p in prefixes async for k in tier.backend.keys(p)]
-        progress.start(f"verify {tier.name}", len(listed))
+        listed = [k for p in prefixes for k in await store.chunks.scan(tier, p)]
+        progress.start(f"verify {tier}", len(listed))
         status = await _check_tier(store, tier, listed, expected, progress)
-        bad = [BadChunk(tier=tier.name, key=k, problem=s) for k, s in status.items() if s not in ("ok", "missing")]
+        bad = [BadChunk(tier=tier, key=k, problem=s) for k, s in status.items() if s not in ("ok", "missing")]
         gone = [k for k, s in status.items() if s == "missing"]
-        if tier is store.record:
+        if tier == store.chunks.record_tier:
             held = set(listed)
             gone += [k for k in expected if k not in held]
             record_lacks = [k for k in gone if k in expected]
             record_lacks += [b.key for b in bad if b.key in expected] if repair else []
         good.update(k for k, s in status.items() if s == "ok")
         if repair and bad:
-            await store.manager.delete([b.key for b in bad], [tier])
+            await store.chunks.delete([b.key for b in bad], [tier])
         corrupt += bad
         missing += [k for k in gone if k in expected]
         check = TierCheck(
-            tier=tier.name, checked=len(listed), ok=sum(s == "ok" for s in status.values()), corrupt=len(bad),
+            tier=tier, checked=len(listed), ok=sum(s == "ok" for s in status.values()), corrupt=len(bad),
             missing=len(gone), repaired=len(bad) if repair else 0,
         )  # fmt: skip
         checks.append(check)
@@ -115,7 +116,7 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
 
 
 async def _check_tier(
-    store: StateStore, tier: Tier, keys: list[str], expected: dict[str, int], progress: Progress
+    store: StateStore, tier: str, keys: list[str], expected: dict[str, int], progress: Progress
 ) -> dict[str, str]:
     """key -> "ok" | "missing" | the codec's complaint, checked in place in the backend's memory."""
     status = dict.fromkeys(keys, "missing")
@@ -125,18 +126,44 @@ async def _check_tier(
         batch = [keys[i] for i in run]
 
         def sink(j: int, view: memoryview, batch: list[str] = batch) -> None:
-            status[batch[j]] = check_chunk(view, spec, expected.get(batch[j]))
+            status[batch[j]] = check_chunk(view, spec, expected.get(batch[j]), batch[j])
 
-        await tier.backend.read(batch, sink)
+        await store.chunks.read_raw(tier, batch, sink)
         progress.advance(len(batch))
+    await _name_misplaced(store, tier, status, spec)
     return status
 
 
-def check_chunk(buf: codec.Buffer, spec: ModelSpec, tokens: int | None) -> str:
-    """Return "ok", or why `buf` is not a valid chunk of `spec` (`tokens` long, when a manifest says)."""
+_MISPLACED_TRIES = 1024
+"""checksum tries per tier spent naming the key a misplaced value belongs to (report detail only)"""
+
+
+async def _name_misplaced(store: StateStore, tier: str, status: dict[str, str], spec: ModelSpec) -> None:
+    """A value whose checksum fails may be another key's valid value (swapped, or copied over):
+    say whose, trying the other failing keys first, then the intact ones, within a bounded budget.
+    What no try explains keeps the codec's complaint (damaged, or stored under another key)."""
+    bad = [k for k, s in status.items() if "checksum mismatch" in s]
+    candidates = bad + [k for k, s in status.items() if s == "ok"]
+    budget = _MISPLACED_TRIES
+    for key in bad:
+        value = await _value(store, tier, key) if budget > 0 else None
+        for other in candidates:
+            if value is None or budget <= 0:
+                break
+            if other == key:
+                continue
+            budget -= 1
+            if check_chunk(value, spec, None, other) == "ok":
+                status[key] = f"misplaced: stored under the wrong key, a valid value of {other}"
+                break
+
+
+def check_chunk(buf: codec.Buffer, spec: ModelSpec, tokens: int | None, key: str) -> str:
+    """Return "ok", or why `buf` is not a valid chunk of `spec` stored under `key` (`tokens` long,
+    when a manifest says): a valid value of another key (swapped, copied over) is not ok."""
     try:
         shape = spec.kv_shape(tokens) if tokens is not None else None
-        kv = codec.decode(buf, fingerprint=spec.fingerprint, dtype=spec.torch_dtype, shape=shape)
+        kv = codec.decode(buf, key=key, fingerprint=spec.fingerprint, dtype=spec.torch_dtype, shape=shape)
         layers, planes, _, heads, dim = spec.kv_shape(0)
         if shape is None and (kv.shape[:2], kv.shape[3:]) != ((layers, planes), (heads, dim)):
             raise CorruptDataError(f"chunk shape {tuple(kv.shape)} is not one of this spec")
@@ -148,18 +175,26 @@ def check_chunk(buf: codec.Buffer, spec: ModelSpec, tokens: int | None) -> str:
 async def _restore_record(store: StateStore, missing: list[str], checks: list[TierCheck]) -> set[str]:
     """Write back into the record tier what it lacks but another tier holds intact (checked again
     by the codec on the way: a copy is only trusted as it is read)."""
-    record = store.record
-    others = [t for t in store.manager.tiers if t is not record]
+    record = store.chunks.record_tier
+    others = [t for t in store.chunks.tier_names if t != record]
     back: set[str] = set()
     for key in dict.fromkeys(missing):
         for tier in others:
-            value = await store.manager.read_bytes(tier, key)
-            if value is not None and check_chunk(value, store.spec, None) == "ok":
-                await store.manager.put(record, [key], [value])
+            value = await _value(store, tier, key)
+            if value is not None and check_chunk(value, store.spec, None, key) == "ok":
+                with store.chunks.pinned([key]):
+                    await store.chunks.put_values([key], [value], tiers=[record])
                 back.add(key)
                 break
     for c in checks:
-        if c.tier == record.name:
+        if c.tier == record:
             c.repaired += len(back)
             c.missing -= len(back)
     return back
+
+
+async def _value(store: StateStore, tier: str, key: str) -> bytes | None:
+    """An owned copy of the bytes one tier stores under `key` (unchecked), or None."""
+    got: list[bytes] = []
+    await store.chunks.read_raw(tier, [key], lambda _, view: got.append(bytes(view)))
+    return got[0] if got else None

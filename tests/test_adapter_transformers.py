@@ -244,7 +244,7 @@ async def test_resume_with_lost_tail_recomputes_the_rest(open_store: Callable[..
     async with open_store(spec) as store:
         manifest = await tfa.snapshot(store, "s", ids, cache)
     async with open_store(spec) as store:
-        await store.record.backend.delete([manifest.tail_key])  # the 22-token tail is lost on disk
+        await store.chunks.backend(store.chunks.record_tier).delete([manifest.tail_key])  # the 22-token tail is lost on disk
         tokens, restored, _, n = await tfa.resume(store, "s", model)
     assert n == 128 and restored.get_seq_length() == 128
     rest, _ = forward(model, torch.tensor([tokens[n:]]), restored)

@@ -13,6 +13,8 @@ from agentstate.client import AsyncClient
 from agentstate.errors import (
     AgentStateError,
     ConflictError,
+    CorruptDataError,
+    InvalidArgumentError,
     InvalidSessionIdError,
     KVShapeError,
     SessionNotFoundError,
@@ -130,17 +132,29 @@ async def test_chunk_data_plane_round_trip(alice: AsyncClient, bob: AsyncClient)
         raw = await alice.get_chunk(handle)
         assert raw is not None
         chunks.append(raw)
-        assert bits_equal(codec.decode(raw, fingerprint=fp, dtype=dtype), kv[:, :, i * 64 : (i + 1) * 64])
+        assert bits_equal(await alice.decode_chunk(handle, raw), kv[:, :, i * 64 : (i + 1) * 64])
+        key = await alice.chunk_key(handle)
+        assert key == f"c/{fp}/{handle.split('.')[0]}"
+        assert bits_equal(codec.decode(raw, key=key, fingerprint=fp, dtype=dtype), kv[:, :, i * 64 : (i + 1) * 64])
+    with pytest.raises(CorruptDataError, match="another key"):  # a chunk is bound to its key
+        await alice.decode_chunk(m.handles[1], chunks[0])
 
     # An engine on another host, as Bob: it matches its own tokens, then PUTs the chunks it computed.
     mine: ChunkMatch = await bob.match(toks)
     assert mine.tokens == 0 and len(mine.handles) == 4
-    assert [await bob.put_chunk(h, c) for h, c in zip(mine.handles[:2], chunks[:2])] == [True, True]
-    assert await bob.put_chunk(mine.handles[0], chunks[0]) is False  # held already
+    with pytest.raises(InvalidArgumentError, match="another key"):  # Alice's bytes are bound to Alice's keys
+        await bob.put_chunk(mine.handles[0], chunks[0])
+    with pytest.raises(InvalidArgumentError, match="another key"):  # and chunk 1's bytes to chunk 1's
+        await alice.put_chunk(m.handles[0], chunks[1])
+    assert await bob.put_chunk(mine.handles[0], kv[:, :, :64]) is True  # KV: encoded for the handle
+    assert await bob.put_chunk(mine.handles[1], await bob.encode_chunk(mine.handles[1], kv[:, :, 64:128])) is True
+    assert await bob.put_chunk(mine.handles[0], kv[:, :, :64]) is False  # held already
     assert (await bob.match(toks)).tokens == 128
     assert bits_equal(await bob.load(toks), kv[:, :, :128])
     got = await bob.get_chunk(mine.handles[1])
-    assert got is not None and bits_equal(codec.decode(got, fingerprint=fp, dtype=dtype), kv[:, :, 64:128])
+    assert got is not None and bits_equal(await bob.decode_chunk(mine.handles[1], got), kv[:, :, 64:128])
+    with pytest.raises(InvalidArgumentError):
+        await bob.chunk_key("not-a-handle")
 
 
 async def test_sessions_survive_a_server_restart(open_store: Callable[..., Any]) -> None:

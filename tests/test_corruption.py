@@ -62,7 +62,7 @@ async def test_random_damage_is_detected_counted_dropped_and_repaired(tmp_path: 
             keys = [*manifest.chunk_keys, manifest.tail_key]
             hit = rng.randrange(len(keys))
             if with_file:
-                path = Path(store.tiers[0]._locate(keys[hit])[1])  # type: ignore[attr-defined]
+                path = Path(store.chunks.backend(store.chunks.tier_names[0])._locate(keys[hit])[1])  # type: ignore[attr-defined]
                 raw = path.read_bytes()
         if with_file:
             path.write_bytes(damage(raw, rng))
@@ -79,7 +79,7 @@ async def test_random_damage_is_detected_counted_dropped_and_repaired(tmp_path: 
             other = await store.resume("bystander")
             assert other.complete and bits_equal(other.kv, random_kv(SPEC4, 300, seed=4))
             if not with_file:
-                assert not (await store.record.backend.exists([keys[hit]]))[0], "the bad copy is still there"
+                assert not (await store.chunks.backend(store.chunks.record_tier).exists([keys[hit]]))[0], "the bad copy is still there"
                 await store.snapshot("victim", tokens, kv)  # same content: writes back what was dropped
             result = await store.resume("victim")
             assert result.complete and bits_equal(result.kv, kv)
@@ -97,7 +97,7 @@ async def test_verify_finds_damage_in_every_tier_and_repair_drops_only_bad_copie
     tokens, kv = random_tokens(TOKENS, seed=5), random_kv(SPEC4, TOKENS, seed=5)
     async with StateStore.open(config(data, True), SPEC4) as store:
         m = await store.snapshot("s", tokens, kv)
-        file_path = Path(store.tiers[0]._locate(m.chunk_keys[2])[1])  # type: ignore[attr-defined]
+        file_path = Path(store.chunks.backend(store.chunks.tier_names[0])._locate(m.chunk_keys[2])[1])  # type: ignore[attr-defined]
         assert (await verify(store)).clean
     file_path.write_bytes(damage(file_path.read_bytes(), rng))
     rewrite_lmdb_value(data, m.chunk_keys[7], lambda raw: damage(raw, rng))

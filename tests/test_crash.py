@@ -82,8 +82,8 @@ async def check(data: Path, log: Path, *, sweep: bool) -> int:
             await store.gc()
             named = {k for m in manifests.values() for k in m.chunk_keys}
             tails = {m.tail_key for m in manifests.values() if m.tail_key}
-            held = {k async for k in store.record.backend.keys(CHUNK_PREFIX)}
-            held_tails = {k async for k in store.record.backend.keys(TAIL_PREFIX)}
+            held = {k async for k in store.chunks.backend(store.chunks.record_tier).keys(CHUNK_PREFIX)}
+            held_tails = {k async for k in store.chunks.backend(store.chunks.record_tier).keys(TAIL_PREFIX)}
             assert held == named and held_tails == tails, "gc left garbage, or dropped what a manifest names"
         return len(manifests)
 

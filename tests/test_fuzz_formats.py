@@ -29,11 +29,12 @@ from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 T = TypeVar("T")
 FUZZ = settings(derandomize=True, deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 KV = random_kv(SPEC4, 20, seed=11)
-FRAME = bytes(codec.encode(KV, SPEC4.fingerprint))
+FRAME_KEY = f"c/{SPEC4.fingerprint}/{'ab' * 32}"
+FRAME = bytes(codec.encode(KV, SPEC4.fingerprint, key=FRAME_KEY))
 
 
 def decode(buf: bytes) -> torch.Tensor:
-    return codec.decode(buf, fingerprint=SPEC4.fingerprint, dtype=SPEC4.torch_dtype)
+    return codec.decode(buf, key=FRAME_KEY, fingerprint=SPEC4.fingerprint, dtype=SPEC4.torch_dtype)
 
 
 @st.composite
@@ -219,7 +220,7 @@ def test_session_and_tenant_ids_are_accepted_and_usable_or_refused(
 
 
 async def _listing(store: StateStore) -> list[str]:
-    return sorted([k async for k in store.record.backend.keys("")])
+    return sorted([k async for k in store.chunks.backend(store.chunks.record_tier).keys("")])
 
 
 def test_ids_never_name_a_path() -> None:

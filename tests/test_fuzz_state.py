@@ -96,13 +96,13 @@ def test_state_resumes_exactly_or_is_refused_before_anything_is_written(
     loop, store, _ = stores
 
     async def attempt() -> bool:
-        before = sorted([k async for k in store.record.backend.keys("")])
+        before = sorted([k async for k in store.chunks.backend(store.chunks.record_tier).keys("")])
         n = next(FRESH)
         sid, tokens = f"state-{n}", random_tokens(48, seed=n)
         try:
             await store.snapshot(sid, tokens, KV, state)
         except InvalidArgumentError:
-            assert sorted([k async for k in store.record.backend.keys("")]) == before
+            assert sorted([k async for k in store.chunks.backend(store.chunks.record_tier).keys("")]) == before
             return False
         r = await store.resume(sid)
         assert r.complete and r.tokens == tokens and bits_equal(r.kv, KV)

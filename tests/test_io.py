@@ -59,8 +59,8 @@ class SlowBackend(Backend):
 
 
 def slow_record(store: StateStore, delay: float) -> SlowBackend:
-    slow = SlowBackend(store.record.backend, delay)
-    store.record.backend = slow
+    slow = SlowBackend(store.chunks.backend(store.chunks.record_tier), delay)
+    store.chunks._manager.tier(store.chunks.record_tier).backend = slow
     return slow
 
 
@@ -75,7 +75,7 @@ async def test_64_reads_with_16_in_flight_overlap(open_store) -> None:  # type: 
         assert bits_equal(into, kv)
         assert slow.calls == 64  # one read per chunk ...
         assert slow.peak == 16  # ... 16 of them in flight at once, never more
-        assert store.io.peak_in_flight == 16
+        assert store.chunks.counters()["io_peak_in_flight"] == 16
 
 
 async def test_best_effort_returns_a_prefix_and_the_rest_arrives_later(open_store) -> None:  # type: ignore[no-untyped-def]
@@ -124,11 +124,11 @@ async def test_load_over_four_tiers_into_a_shuffled_paged_pool(open_store) -> No
     ]
     async with open_store(tiers=layout, write_policy="write_back") as store:
         keys = store._keys(tokens)
-        values = [codec.encode(kv[:, :, i * 64 : (i + 1) * 64], store.fingerprint) for i in range(n_chunks)]
+        values = [codec.encode(kv[:, :, i * 64 : (i + 1) * 64], store.fingerprint, key=k) for i, k in enumerate(keys)]
         place = ["device", "host", "file", "lmdb"] * 2  # each tier alone holds two chunks
         for key, value, tier in zip(keys, values, place):
-            await store.manager.put(store.manager.tier(tier), [key], [value])
-        assert [store.manager.fastest(k) for k in keys] == place
+            await store.chunks._manager.put(store.chunks._manager.tier(tier), [key], [value])
+        assert [store.chunks._manager.fastest(k) for k in keys] == place
         pool = torch.zeros((4, 2, 2000, 2, 64), dtype=torch.bfloat16)
         slots = torch.randperm(2000)[: len(tokens)]
         target = PagedTarget(pool, slots, SPEC4)
@@ -138,7 +138,7 @@ async def test_load_over_four_tiers_into_a_shuffled_paged_pool(open_store) -> No
         untouched[slots[: n_chunks * 64]] = False
         assert not pool[:, :, untouched].view(torch.uint8).any()  # nothing written outside the slots
         await store.flush()  # promotion runs in the background, off the load's critical path
-        assert [store.manager.fastest(k) for k in keys] == ["device"] * n_chunks  # promoted
+        assert [store.chunks._manager.fastest(k) for k in keys] == ["device"] * n_chunks  # promoted
         pool.zero_()
         assert await store.load(tokens, target) == n_chunks * 64  # warm: all from the device tier
         assert bits_equal(target.gather(n_chunks * 64), kv[:, :, : n_chunks * 64])

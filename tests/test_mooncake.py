@@ -103,7 +103,7 @@ async def test_killed_storage_gives_clean_misses_and_opens_the_breaker(tmp_path:
         tokens, kv = random_tokens(300, seed=43), random_kv(SPEC4, 300, seed=43)
         async with StateStore.open(tmp_path / "a", SPEC4, tiers=tiers, chunk_tokens=64) as a:
             await a.snapshot("s", tokens, kv)
-            remote = a.manager.tier("mooncake").backend
+            remote = a.chunks.backend("mooncake")
             keys = [k async for k in remote.keys()]
             assert len(keys) == 5  # 4 chunks and the tail
             server.kill_storage()

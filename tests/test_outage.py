@@ -61,7 +61,7 @@ async def test_nodes_stopped_and_restarted_during_loads(tmp_path: Path) -> None:
                 node.start()  # same port, same nodes.conf and AOF: it rejoins with its slots and data
             stop.set()
             await asyncio.gather(*workers)
-            remote = reader.manager.tier("redis").backend
+            remote = reader.chunks.backend("redis")
             assert min(loads) < TOKENS, "no load saw the outage"
             assert (await remote.stats()).errors >= 1
 

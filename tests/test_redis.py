@@ -165,7 +165,7 @@ async def test_killing_a_cluster_node_gives_correct_kv_or_clean_misses(tmp_path:
         dead_slots = {s for r in ranges if int(r[2][1]) == dead.port for s in range(int(r[0]), int(r[1]) + 1)}
         dead.stop()  # a third of the slots is gone, no replicas
         async with StateStore.open(tmp_path / "reader", SPEC4, tiers=tiers, chunk_tokens=64) as r:
-            remote = r.manager.tier("redis").backend
+            remote = r.chunks.backend("redis")
             loaded = []
             for tokens, kv in prefixes:
                 into = torch.zeros_like(kv)

@@ -111,7 +111,7 @@ async def footprint(store: StateStore) -> tuple[object, ...]:
     sessions = {}
     for tenant in TOKENS.values():
         sessions[tenant] = sorted([(m.session_id, m.version) async for m in store.for_tenant(tenant).sessions()])
-    keys = sorted([k async for k in store.record.backend.keys("")])
+    keys = sorted([k async for k in store.chunks.backend(store.chunks.record_tier).keys("")])
     stats = await store.stats()
     return sessions, keys, stats.sessions, stats.indexed_keys, stats.counters.get("bytes_written", 0)
 

@@ -13,11 +13,11 @@ from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 
 
 async def chunk_count(store: StateStore) -> int:
-    return len([k async for k in store.record.backend.keys("c/")])
+    return len([k async for k in store.chunks.backend(store.chunks.record_tier).keys("c/")])
 
 
 async def tail_count(store: StateStore) -> int:
-    return len([k async for k in store.record.backend.keys("t/")])
+    return len([k async for k in store.chunks.backend(store.chunks.record_tier).keys("t/")])
 
 
 async def test_versions_increase_and_old_tail_is_dropped(store: StateStore) -> None:

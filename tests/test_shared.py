@@ -106,7 +106,7 @@ async def test_last_writer_loses_with_a_conflict_or_wins_with_force(fleet: tuple
         assert forced.version == 3
         got = await y.resume("s")
         assert got.complete and bits_equal(got.kv, kv_x)
-        remote = x.manager.tier("redis").backend
+        remote = x.chunks.backend("redis")
         tails = [k async for k in remote.keys(f"t/{x.fingerprint}/")]
         assert tails == [forced.tail_key]  # replaced and losing tails are gone
 
@@ -121,7 +121,7 @@ async def test_shared_gc_sweeps_only_what_nothing_names_and_nobody_used_lately(f
         await x.snapshot("s1", t1, kv1)
         await x.snapshot("s2", t2, kv2)
         await x.put_prefix(shared_prefix, kv1[:, :, :128])
-        remote = x.manager.tier("redis").backend
+        remote = x.chunks.backend("redis")
         before = {k async for k in remote.keys(f"c/{x.fingerprint}/")}
         await x.delete("s1")
         assert await x.gc() >= 0
@@ -136,7 +136,7 @@ async def test_shared_gc_sweeps_only_what_nothing_names_and_nobody_used_lately(f
 
 
 def remote_of(store: StateStore) -> Any:
-    return store.manager.tier("redis").backend
+    return store.chunks.backend("redis")
 
 
 async def test_a_shared_catalog_needs_a_remote_tier(tmp_path: Path, redis_cluster: RedisCluster) -> None:

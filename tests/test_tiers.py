@@ -20,11 +20,11 @@ def tiers(host_chunks: float, device_chunks: float | None = None) -> list[TierCo
 
 
 async def assert_within_capacity(store: StateStore) -> None:
-    for tier in store.manager.tiers:  # while writes are in flight, their bytes are reserved already
+    for tier in store.chunks._manager.tiers:  # while writes are in flight, their bytes are reserved already
         if tier.capacity is not None:
             assert tier.used <= tier.capacity, tier.name
     await store.flush()
-    for tier in store.manager.tiers:  # once settled, accounting matches what the backend holds exactly
+    for tier in store.chunks._manager.tiers:  # once settled, accounting matches what the backend holds exactly
         if tier.capacity is not None:
             assert (await tier.backend.stats()).bytes_used == tier.used <= tier.capacity, tier.name
 
@@ -43,7 +43,7 @@ async def test_filling_every_tier_past_capacity_never_overshoots_or_loses_a_chun
             await assert_within_capacity(store)
         counts = (await store.stats()).counters
         assert counts["demotions"] > 0 and counts["evictions"] > 0 and counts["promotions"] > 0
-        held = [store.manager.holders(k) for t, _ in prefixes for k in store._keys(t)]
+        held = [store.chunks._manager.holders(k) for t, _ in prefixes for k in store._keys(t)]
         assert all(held)  # every chunk still lives somewhere
 
 
@@ -51,13 +51,13 @@ async def test_write_policies_place_chunks(open_store) -> None:  # type: ignore[
     tokens, kv = random_tokens(128), random_kv(SPEC4, 128)
     async with open_store(write_policy="write_through") as store:
         await store.put_prefix(tokens, kv)
-        assert [set(store.index.tiers_of(k)) for k in store._keys(tokens)] == [{"host", "lmdb"}] * 2
+        assert [set(set(store.chunks.where(k))) for k in store._keys(tokens)] == [{"host", "lmdb"}] * 2
     async with open_store(write_policy="write_back") as store:
         other = random_tokens(128, seed=9)
         await store.put_prefix(other, kv)
-        assert [set(store.index.tiers_of(k)) for k in store._keys(other)] == [{"host"}] * 2
+        assert [set(set(store.chunks.where(k))) for k in store._keys(other)] == [{"host"}] * 2
         man = await store.snapshot("s", other + [1], torch.cat([kv, kv[:, :, :1]], dim=2))
-        assert all(store.index.holds(k, "lmdb") for k in man.chunk_keys)  # sessions are durable anyway
+        assert all("lmdb" in store.chunks.where(k) for k in man.chunk_keys)  # sessions are durable anyway
 
 
 async def test_selective_write_through_writes_down_hot_chunks(open_store) -> None:  # type: ignore[no-untyped-def]
@@ -65,11 +65,11 @@ async def test_selective_write_through_writes_down_hot_chunks(open_store) -> Non
     async with open_store(write_policy="write_through_selective", write_through_threshold=2) as store:
         await store.put_prefix(tokens, kv)
         keys = store._keys(tokens)
-        assert not any(store.index.holds(k, "lmdb") for k in keys)
+        assert not any("lmdb" in store.chunks.where(k) for k in keys)
         await store.load(tokens, torch.empty_like(kv))
-        assert not any(store.index.holds(k, "lmdb") for k in keys)
+        assert not any("lmdb" in store.chunks.where(k) for k in keys)
         await store.load(tokens, torch.empty_like(kv))
-        assert all(store.index.holds(k, "lmdb") for k in keys)
+        assert all("lmdb" in store.chunks.where(k) for k in keys)
     async with open_store(host_capacity_bytes=0) as store:  # it really is on disk
         into = torch.zeros_like(kv)
         assert await store.load(tokens, into) == 128 and bits_equal(into, kv)
@@ -80,10 +80,10 @@ async def test_exclusive_cache_tiers_hold_no_duplicates(open_store) -> None:  # 
     async with open_store(tiers=tiers(host_chunks=10, device_chunks=10), exclusive=True) as store:
         await store.put_prefix(tokens, kv)
         keys = store._keys(tokens)
-        assert [store.index.tiers_of(k) for k in keys] == [{"host", "lmdb"}] * 2
+        assert [set(store.chunks.where(k)) for k in keys] == [{"host", "lmdb"}] * 2
         await store.load(tokens, torch.empty_like(kv))
         await store.flush()
-        assert [store.index.tiers_of(k) for k in keys] == [{"device", "lmdb"}] * 2  # moved up, not copied
+        assert [set(store.chunks.where(k)) for k in keys] == [{"device", "lmdb"}] * 2  # moved up, not copied
 
 
 async def test_lru_keeps_recently_used_chunks(open_store) -> None:  # type: ignore[no-untyped-def]
@@ -118,7 +118,7 @@ async def test_eviction_under_pressure_keeps_every_session_resumable(open_store)
         await store.put_prefix(system, sys_kv)
         doc, doc_kv = random_tokens(128, seed=2), random_kv(SPEC4, 128, seed=2)
         await store.put_prefix(doc, doc_kv)  # write-back: a prefix no session shares lives only in host ...
-        assert all(store.index.tiers_of(k) == {"host"} for k in store._keys(doc))
+        assert all(set(store.chunks.where(k)) == {"host"} for k in store._keys(doc))
         for i in range(12):
             own = random_tokens(100 + 10 * i, seed=100 + i)
             kv = torch.cat([sys_kv, random_kv(SPEC4, len(own), seed=200 + i)], dim=2)

@@ -1,0 +1,443 @@
+"""ChunkStore: the one owner of a chunk's life.
+
+Everything that decides whether a chunk's bytes exist lives here: the data directory's lock, the
+tiers and their one LRU order, the index of what each tier holds, the one pin system, dedupe,
+transfers into KVTargets, promotion, eviction and deletion, and gc of every tier. Sessions,
+prefixes and reference counts live one layer up (`StateStore` and its catalog); engine adapters,
+the service's data plane and the admin tools call the methods below and nothing under them.
+
+The safety rule all of it keeps: a chunk is deleted only when it is not pinned and the catalog
+says nothing references it, checked after the chunk is marked as being deleted, so
+
+- a writer that pinned a key before the mark keeps it (the pin is seen);
+- a writer that pins it after the mark waits for the delete (`settle`), then finds it gone from
+  the index and writes it again, or (a fork, which has no bytes to write) refuses to commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from agentstate.backends.base import Backend, BackendStats, ReadSink
+from agentstate.chunks.lock import DataDirLock
+from agentstate.chunks.registry import CAPACITY_MANAGED, build_backend
+from agentstate.config import StoreConfig
+from agentstate.errors import InvalidArgumentError
+from agentstate.index import ChunkIndex
+from agentstate.io import IOEngine
+from agentstate.memory import BufferPool
+from agentstate.spec import ModelSpec
+from agentstate.target import KVTarget
+from agentstate.tiers import Tier, TierManager, Value
+from agentstate.transfer import Span, Transfer
+
+log = logging.getLogger("agentstate.chunks")
+RefCounts = Callable[[list[str]], Awaitable[list[int]]]
+"""How many committed manifests and prefix records name each key (the catalog answers)."""
+
+
+@dataclass(frozen=True)
+class TierInfo:
+    """What an operator sees of one tier."""
+
+    name: str
+    kind: str
+    durable: bool
+    remote: bool
+    record: bool
+    capacity_bytes: int | None
+    used_bytes: int
+    chunks: int
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    evicted: int
+    evicted_bytes: int
+    demoted: int
+    skipped_pinned: int
+    used_before: int
+    used_after: int
+
+
+class ChunkStore:
+    """Chunks of one ModelSpec over ordered tiers; open with `await ChunkStore(...).open(prefixes)`.
+
+    `shared_catalog` says that manifests live in a catalog every host shares, so the record tier
+    is the durable remote tier; `read_only` shares the directory lock with other readers instead
+    of taking it alone (the caller promises not to write).
+    """
+
+    def __init__(
+        self, config: StoreConfig, spec: ModelSpec, *, shared_catalog: bool = False, read_only: bool = False
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.fingerprint = spec.fingerprint
+        self.chunk_tokens = config.chunk_tokens
+        self.read_only = read_only
+        tier_configs = config.tier_list()
+        kinds = {t.tier_name: t.kind for t in tier_configs}
+        self._kinds = kinds
+        self._lock = DataDirLock.acquire(config.path, shared=read_only)
+        self._pool: ThreadPoolExecutor | None = None
+        tiers: list[Tier] = []
+        try:
+            tiers = [self._tier(t) for t in tier_configs]
+            if shared_catalog and not any(t.backend.remote and t.backend.durable for t in tiers):
+                raise InvalidArgumentError(
+                    "a shared catalog (catalog_url) needs a durable remote tier (redis) to hold the chunks it names;"
+                    " mooncake evicts and loses values, so it can only cache them"
+                )
+            record = config.record_tier or _default_record(tiers, shared_catalog)
+            self._index = ChunkIndex()
+            self._manager = TierManager(
+                tiers, self._index, record=record, policy=config.write_policy,
+                threshold=config.write_through_threshold, exclusive=config.exclusive,
+            )  # fmt: skip
+        except BaseException:
+            self._lock.release()
+            raise
+        self._record = self._manager.record
+        self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="agentstate-cpu")
+        self._io = IOEngine(config.io_depth)
+        self._buffers = BufferPool(config.restore_pool_bytes)
+        self._transfer = Transfer(
+            spec=spec, manager=self._manager, io=self._io, pool=self._pool,
+            batch_bytes=config.batch_bytes, promote=config.promote_on_read and not read_only,
+        )  # fmt: skip
+        self._transfer.read_only = read_only
+        self._deleting: dict[str, asyncio.Future[None]] = {}
+        self._closed = False
+
+    def _tier(self, cfg: object) -> Tier:
+        from agentstate.config import TierConfig
+
+        assert isinstance(cfg, TierConfig)
+        backend = build_backend(cfg, self.config)
+        capacity = cfg.capacity_bytes if cfg.kind in CAPACITY_MANAGED else None
+        return Tier(backend, capacity=capacity, is_device=cfg.kind == "device")
+
+    async def open(self, prefixes: Iterable[str]) -> ChunkStore:
+        """Adopt what the local durable tiers hold under `prefixes`: a reopened store finds all it had."""
+        await self.adopt(prefixes)
+        return self
+
+    # -- what is where --------------------------------------------------------------------------
+
+    @property
+    def record_tier(self) -> str:
+        return self._record.name
+
+    @property
+    def remote_record(self) -> bool:
+        """The record tier is shared with other hosts (chunks there may vanish or appear under us)."""
+        return self._record.backend.remote
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self._manager.tiers]
+
+    def tier_info(self) -> list[TierInfo]:
+        return [
+            TierInfo(
+                name=t.name, kind=self._kinds[t.name], durable=t.backend.durable, remote=t.backend.remote,
+                record=t is self._record, capacity_bytes=t.capacity, used_bytes=t.used, chunks=len(t.lru),
+            )  # fmt: skip
+            for t in self._manager.tiers
+        ]
+
+    def backend(self, tier_name: str) -> Backend:
+        """The backend of one tier (tests and operator tools inspect it; writes go through this class)."""
+        if tier_name not in self.tier_names:
+            raise InvalidArgumentError(f"no tier {tier_name!r}; this store has {self.tier_names}")
+        return self._manager.tier(tier_name).backend
+
+    def where(self, key: str) -> list[str]:
+        """Tiers this process knows to hold `key`, fastest first."""
+        return [t.name for t in self._manager.holders(key)]
+
+    def fastest(self, key: str) -> str | None:
+        return self._manager.fastest(key)
+
+    def in_memory(self, key: str) -> bool:
+        return any(not t.backend.durable for t in self._manager.holders(key))
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    async def discover(self, keys: Sequence[str]) -> None:
+        """Ask remote tiers (one batch each) about keys this process has not seen."""
+        await self._manager.discover(keys)
+
+    async def lookup(self, keys: Sequence[str]) -> int:
+        """How many leading keys of a chain some tier holds; remote tiers asked past the index."""
+        n = self._index.longest_prefix(keys)
+        if n < len(keys):
+            await self._manager.discover(keys[n:])
+            n = self._index.longest_prefix(keys)
+        return n
+
+    async def present(self, keys: Sequence[str]) -> list[bool]:
+        """Whether some tier holds each key (remote tiers asked for the unknown ones)."""
+        await self._manager.discover([k for k in keys if not self._index.tiers_of(k)])
+        return [bool(self._index.tiers_of(k)) for k in keys]
+
+    # -- pins -----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def pinned(self, keys: Iterable[str]) -> Generator[None, None, None]:
+        """Hold `keys` against eviction and gc for the block (counted: pins nest)."""
+        keys = [k for k in keys if k]
+        self._index.pin(keys)
+        try:
+            yield
+        finally:
+            self._index.unpin(keys)
+
+    def is_pinned(self, key: str) -> bool:
+        return self._index.pinned(key)
+
+    async def settle(self, keys: Sequence[str]) -> None:
+        """Wait for deletes of any of `keys` that started before they were pinned."""
+        waits = {self._deleting[k] for k in keys if k in self._deleting}
+        if waits:
+            await asyncio.gather(*waits)
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    async def missing(self, keys: Sequence[str], *, durable: bool) -> list[int]:
+        """Positions of the keys a store must write (dedupe). Keys must be pinned.
+
+        Durable stores dedupe against the record tier only (a chunk held by a cache alone is
+        written again, to the record tier); a shared record tier is asked every time, touching
+        what it has so no host's gc takes it before this commit names it.
+        """
+        await self.settle(keys)
+        if durable and self.remote_record:
+            present = await self._record.backend.touch(keys)
+            self._manager.note(self._record, keys, present)
+            return [i for i, hit in enumerate(present) if not hit]
+        if durable:
+            return [i for i, k in enumerate(keys) if not self._index.holds(k, self._record.name)]
+        return [i for i, k in enumerate(keys) if not self._index.tiers_of(k)]
+
+    async def durable(self, keys: Sequence[str]) -> bool:
+        """Whether the record tier holds every key, after any delete in flight (keys pinned): what a
+        commit that names chunks without writing them (a fork) checks first."""
+        return not await self.missing(keys, durable=True)
+
+    async def write(self, keys: Sequence[str], chunks: Sequence[torch.Tensor], *, durable: bool) -> int:
+        """Encode canonical KV chunks and store them where the write policy says, in one store
+        call (one durable write of the record tier); returns encoded bytes. Keys must be pinned."""
+        return await self._transfer.write(keys, chunks, durable=durable)
+
+    async def put_values(
+        self, keys: Sequence[str], values: Sequence[Value], *, durable: bool = False, tiers: Sequence[str] | None = None
+    ) -> None:
+        """Store already encoded (and checked) values where the write policy says, or into exactly
+        `tiers` (repair). Keys must be pinned."""
+        if tiers is None:
+            await self._manager.store(keys, values, durable=durable)
+            return
+        for name in tiers:
+            await self._manager.put(self._manager.tier(name), keys, values)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    async def read(
+        self, keys: Sequence[str], spans: Sequence[Span], target: KVTarget, *, staged: dict[str, Value] | None = None
+    ) -> list[bool]:
+        """Restore chunk `keys[i]` into `target` at `spans[i]`; which ones arrived intact. Keys
+        must be pinned. A corrupt or missing copy is dropped and the next tier tried."""
+        return await self._transfer.read(keys, spans, target, staged=staged)
+
+    async def fetch(self, keys: Sequence[str], tokens: Sequence[int]) -> dict[str, Value]:
+        """Read and check chunks into owned host buffers (prefetch staging)."""
+        return await self._transfer.fetch(keys, tokens)
+
+    async def read_value(self, key: str, tokens: int) -> memoryview | None:
+        """The checked codec bytes of `key` (a chunk of `tokens` tokens) from the fastest tier
+        holding an intact copy; None if none does."""
+        if not (await self.present([key]))[0]:
+            return None
+        with self.pinned([key]):
+            got = await self._transfer.fetch([key], [tokens])
+        value = got.get(key)
+        return memoryview(value) if value is not None else None
+
+    def host_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A restore buffer from the pool of touched host memory (reused across resumes)."""
+        return self._buffers.tensor(shape, dtype)
+
+    # -- deletes and gc -------------------------------------------------------------------------
+
+    async def delete(self, keys: Sequence[str], tiers: Sequence[str] | None = None) -> None:
+        """Delete from every tier (or the named ones), whatever references them: for keys that are
+        the caller's alone (a failed commit's tail). Everything else goes through `collect`."""
+        chosen = None if tiers is None else [self._manager.tier(n) for n in tiers]
+        await self._manager.delete(keys, chosen)
+
+    async def collect(self, keys: Sequence[str], refcounts: RefCounts) -> list[str]:
+        """Delete the keys nothing references and nothing pins; returns the ones deleted.
+
+        Marked first (writers that dedupe against a marked key wait for the verdict), then
+        counted: a commit that names a key after the mark either wrote it again or saw it gone
+        (see module doc). Readers keep reading a marked key until it is actually deleted.
+        """
+        candidates = [k for k in dict.fromkeys(keys) if k and not self._index.pinned(k) and k not in self._deleting]
+        if not candidates:
+            return []
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for key in candidates:
+            self._deleting[key] = done
+        dead: list[str] = []
+        try:
+            counts = await refcounts(candidates)
+            # A key pinned since the mark is being read or named again: it stays either way (a
+            # reader of an unreferenced chunk may get a miss, never wrong bytes).
+            dead = [k for k, n in zip(candidates, counts) if n == 0 and not self._index.pinned(k)]
+            if dead:
+                await self._manager.delete(dead)
+        finally:
+            for key in candidates:
+                del self._deleting[key]
+            done.set_result(None)
+        return dead
+
+    async def sweep(self, prefixes: Sequence[str], refcounts: RefCounts) -> int:
+        """gc of every local durable tier: delete what is stored under `prefixes` that nothing
+        references (crash leftovers, copies of snapshots that never committed)."""
+        found: dict[str, None] = {}
+        for tier in self._manager.tiers:
+            if tier.backend.durable and not tier.backend.remote:
+                for prefix in prefixes:
+                    async for key in tier.backend.keys(prefix):
+                        found.setdefault(key)
+        return len(await self.collect(list(found), refcounts))
+
+    async def sweep_shared(self, prefixes: Sequence[str], live: set[str]) -> int:
+        """gc under a shared catalog: what no manifest or prefix names goes from this host's tiers,
+        and from remote tiers once unused for `gc_grace_seconds` (another host may be about to
+        name it)."""
+        removed = 0
+        for tier in self._manager.tiers:
+            found = [k for p in prefixes async for k in tier.backend.keys(p)]
+            dead = [k for k in found if k not in live and not self._index.pinned(k) and k not in self._deleting]
+            if tier.backend.remote:
+                dead = await tier.backend.delete_idle(dead, self.config.gc_grace_seconds)
+                self._manager.note(tier, dead, [False] * len(dead))
+            elif dead:
+                await self._manager.delete(dead, [tier])
+            removed += len(dead)
+        return removed
+
+    async def adopt(self, prefixes: Iterable[str]) -> None:
+        """Account for what the local durable tiers hold under `prefixes` (after a restart, or a
+        namespace an adapter owns)."""
+        found: dict[str, list[str]] = {}
+        for tier in self._manager.tiers:
+            if tier.backend.durable and not tier.backend.remote:
+                found[tier.name] = [k for p in prefixes async for k in tier.backend.keys(p)]
+        await self._manager.adopt_existing(found)
+
+    async def evict(
+        self, tier_name: str, *, budget_bytes: int | None = None, keys: Sequence[str] | None = None
+    ) -> EvictResult:
+        """Drop copies from a cache tier: oldest first down to `budget_bytes`, or exactly `keys`.
+        A copy no lower tier holds is written down first; pinned chunks stay."""
+        tier = self._cache_tier(tier_name)
+        demoted_before = self._manager.counts["demotions"]
+        async with tier.lock:
+            names = list(tier.lru)
+            sizes = dict(tier.lru) if tier.capacity is not None else dict(zip(names, await tier.backend.sizes(names)))
+            used = before = sum(sizes.values())
+            victims = [k for k in dict.fromkeys(keys) if k in sizes] if keys is not None else names
+            evicted = evicted_bytes = skipped = 0
+            for key in victims:
+                if budget_bytes is not None and used <= budget_bytes:
+                    break
+                if self._index.pinned(key) or key in tier.inflight or key in self._deleting:
+                    skipped += 1
+                    continue
+                await self._manager.evict(tier, key)
+                evicted, evicted_bytes, used = evicted + 1, evicted_bytes + sizes[key], used - sizes[key]
+        return EvictResult(
+            evicted=evicted, evicted_bytes=evicted_bytes, demoted=self._manager.counts["demotions"] - demoted_before,
+            skipped_pinned=skipped, used_before=before, used_after=used,
+        )  # fmt: skip
+
+    def _cache_tier(self, name: str) -> Tier:
+        if name not in self.tier_names:
+            raise InvalidArgumentError(f"no tier {name!r}; this store has {self.tier_names}")
+        tier = self._manager.tier(name)
+        if tier is self._record:
+            raise InvalidArgumentError(
+                f"{name!r} is the record tier: it holds the durable copy of every session (use delete or gc)"
+            )
+        if tier.backend.remote:
+            raise InvalidArgumentError(f"{name!r} is shared with other hosts; evict from it there, not from here")
+        return tier
+
+    # -- raw access for the operator tools (verify, repair) -------------------------------------
+
+    async def scan(self, tier_name: str, prefix: str) -> list[str]:
+        """Every key a tier stores under `prefix` (asks the backend, not the index)."""
+        tier = self._manager.tier(tier_name)
+        return [k async for k in tier.backend.keys(prefix)]
+
+    async def read_raw(self, tier_name: str, keys: Sequence[str], sink: ReadSink) -> list[bool]:
+        """Hand the stored bytes of `keys` in one tier to `sink`, unchecked (verify checks them)."""
+        return await self._manager.tier(tier_name).backend.read(keys, sink)
+
+    def trusted(self, tier_name: str) -> bool:
+        return self._manager.tier(tier_name).backend.trusted
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        return {**self._transfer.counts, **self._manager.counts, "io_peak_in_flight": self._io.peak_in_flight}
+
+    async def stats(self) -> list[BackendStats]:
+        return [await t.backend.stats() for t in self._manager.tiers]
+
+    async def flush(self) -> None:
+        """Wait until background work (promotions of chunks read from slow tiers) is done."""
+        await self._transfer.flush()
+
+    def release_lock(self) -> None:
+        """Give the directory lock back now (a store whose construction failed above this layer)."""
+        self._lock.release()
+
+    async def close(self) -> None:
+        """Flush, close every tier, release the directory lock. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.flush()
+            for tier in self._manager.tiers:
+                await tier.backend.close()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._buffers.clear()
+            self._lock.release()
+
+
+def _default_record(tiers: list[Tier], shared_catalog: bool) -> str:
+    """LMDB by default; with a shared catalog, the durable remote tier, since every host must find
+    the chunks a shared manifest names."""
+    if shared_catalog:
+        return next(t.name for t in tiers if t.backend.remote and t.backend.durable)
+    return next(
+        (t.name for t in tiers if t.backend.durable and t.name == "lmdb"),
+        next((t.name for t in reversed(tiers) if t.backend.durable), ""),
+    )
