@@ -28,7 +28,7 @@ from agentstate.spec import DTYPE_NAMES, ModelSpec
 from agentstate.target import KVTarget
 
 if TYPE_CHECKING:
-    from agentstate.store import StateStore
+    pass
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])

@@ -1,8 +1,8 @@
 """The `agentstate` command line (typer + rich).
 
 Every admin command opens a data directory under the ModelSpec recorded in `<path>/spec.json`
-(or `--spec FILE`), runs one operation from `agentstate.admin`, `agentstate.verify` or
-`agentstate.archive`, and prints its report: a rich table, or the report's JSON with `--json`.
+(or `--spec FILE`), runs one operation from `agentstate.ops.admin`, `agentstate.verify` or
+`agentstate.ops.archive`, and prints its report: a rich table, or the report's JSON with `--json`.
 Progress bars go to stderr, so `--json` output on stdout stays parseable. Exit codes: 0 done,
 1 the operation failed with a typed error (printed to stderr) or `verify` found damage it did not
 repair, 2 bad usage.
@@ -62,7 +62,7 @@ class _Bars:
 
 @contextmanager
 def _progress(enabled: bool = True) -> Iterator[Any]:
-    from agentstate.admin import QUIET
+    from agentstate.ops.admin import QUIET
 
     if not enabled:
         yield QUIET
@@ -85,7 +85,7 @@ def _with_store(
     path: Path, spec: Path | None, tenant: str | None, fn: Callable[[StateStore], Awaitable[T]], *,
     create: bool = False, model: ModelSpec | None = None, read_only: bool = False,
 ) -> T:  # fmt: skip
-    from agentstate.admin import open_store
+    from agentstate.ops.admin import open_store
 
     async def go() -> T:
         async with open_store(
@@ -97,7 +97,7 @@ def _with_store(
 
 
 def _emit(report: BaseModel | list[Any], as_json: bool, render: Callable[[], None]) -> None:
-    from agentstate.admin import dumps
+    from agentstate.ops.admin import dumps
 
     if as_json:
         sys.stdout.write(dumps(report) + "\n")
@@ -134,7 +134,7 @@ def demo(
 @app.command("ls")
 def ls(path: PathOpt = DEFAULT_PATH, spec: SpecOpt = None, tenant: TenantOpt = None, json: JsonOpt = False) -> None:
     """List the tenant's sessions."""
-    from agentstate.admin import list_sessions
+    from agentstate.ops.admin import list_sessions
 
     rows = _with_store(path, spec, tenant, list_sessions, read_only=True)
 
@@ -161,7 +161,7 @@ def inspect(
     json: JsonOpt = False,
 ) -> None:
     """A session's manifest, and for each chunk its key, size and the tiers that hold it."""
-    from agentstate.admin import inspect_session
+    from agentstate.ops.admin import inspect_session
 
     d = _with_store(path, spec, tenant, lambda s: inspect_session(s, session), read_only=True)
 
@@ -185,7 +185,7 @@ def inspect(
 @app.command()
 def stats(path: PathOpt = DEFAULT_PATH, spec: SpecOpt = None, tenant: TenantOpt = None, json: JsonOpt = False) -> None:
     """Tiers, sessions and what sharing saves."""
-    from agentstate.admin import stats as run
+    from agentstate.ops.admin import stats as run
 
     r = _with_store(path, spec, tenant, run, read_only=True)
 
@@ -221,7 +221,7 @@ def evict(
     json: JsonOpt = False,
 ) -> None:
     """Drop cached copies from a cache tier (written down first when no lower tier has them)."""
-    from agentstate.admin import evict as run
+    from agentstate.ops.admin import evict as run
 
     r = _with_store(path, spec, tenant, lambda s: run(s, tier, budget_bytes=budget, sessions=session or ()))
     _emit(r, json, lambda: out.print(
@@ -233,7 +233,7 @@ def evict(
 @app.command()
 def gc(path: PathOpt = DEFAULT_PATH, spec: SpecOpt = None, json: JsonOpt = False) -> None:
     """Remove expired sessions and chunks nothing references."""
-    from agentstate.admin import gc as run
+    from agentstate.ops.admin import gc as run
 
     r = _with_store(path, spec, None, run)
     _emit(r, json, lambda: out.print(f"removed {r.removed}"))
@@ -283,7 +283,7 @@ def export(
     json: JsonOpt = False,
 ) -> None:
     """Write sessions to a portable archive (every chunk checked, shared chunks stored once)."""
-    from agentstate.archive import export_sessions
+    from agentstate.ops.archive import export_sessions
 
     with _progress(not json) as bars:
         r = _with_store(
@@ -309,8 +309,8 @@ def import_(
 
     A new data directory takes the archive's spec (recorded once the import succeeds) unless
     --spec says otherwise."""
-    from agentstate.admin import record_spec, recorded_spec
-    from agentstate.archive import import_sessions, read_spec
+    from agentstate.ops.admin import record_spec, recorded_spec
+    from agentstate.ops.archive import import_sessions, read_spec
 
     fresh = spec is None and recorded_spec(path) is None
     model = _run(lambda: asyncio.to_thread(read_spec, archive)) if fresh else None
@@ -337,8 +337,8 @@ def serve(
     spec: SpecOpt = None,
 ) -> None:
     """Serve the session resume API (HTTP, OpenAPI at /docs) until SIGINT/SIGTERM."""
-    from agentstate.admin import read_spec_file
-    from agentstate.service import run
+    from agentstate.ops.admin import read_spec_file
+    from agentstate.server.service import run
 
     try:
         run(path, host=host, port=port, tokens_file=tokens_file, spec=read_spec_file(spec) if spec else None)

@@ -31,7 +31,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from agentstate import StateStore
-from agentstate.admin import record_spec
+from agentstate.ops.admin import record_spec
 from agentstate.errors import SessionNotFoundError
 
 REPLY_TOKENS = 8

@@ -1,9 +1,10 @@
 """Session operations of StateStore: snapshot, resume, fork, delete, list, gc.
 
 `StateStore` (store.py: prefixes, matches, loads) derives from SessionOps, which derives from
-StoreBase (store_base.py: tiers, catalog, IO engine): one flat API, three files with one owner each. Everything here goes through the catalog, local
-(LMDB) or shared by every host (Redis), with the same rules: data first, the manifest last, one
-atomic compare-and-set on the session's version.
+StoreBase (store_base.py: a ChunkStore, the catalog, the tenant): one flat API in three files.
+Everything here goes through the catalog, local (LMDB) or shared by every host (Redis), with the
+same rules: data first (one durable write), the manifest last, one atomic compare-and-set on the
+session's version. Chunks are touched only through the ChunkStore's public methods.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from agentstate.errors import (
     SessionNotFoundError,
     SpecMismatchError,
 )
-from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, tail_key, token_array, validate_id
+from agentstate.keys import tail_key, token_array, validate_id
 from agentstate.manifest import ResumeResult, SessionManifest, now
 from agentstate.store_base import StoreBase
 from agentstate.target import KVTarget, TensorTarget

@@ -15,10 +15,9 @@ from pydantic import BaseModel
 from agentstate.backends.base import BackendStats
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError
-from agentstate.io import Batch, batches
 from agentstate.keys import token_array
 from agentstate.manifest import MatchResult
-from agentstate.prefetch import PrefetchHandle, PrefetchPolicy, deadline_for
+from agentstate.chunks import PrefetchHandle, PrefetchPolicy, deadline_for
 from agentstate.sessions import SessionOps, _leading
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget
@@ -111,20 +110,7 @@ class StateStore(SessionOps):
         lacks); the reads go on in the background.
         """
         keys = self._keys(token_array(tokens))
-        keys = keys[: await self.chunks.lookup(keys)]
-        handle = PrefetchHandle(keys, self.chunks.pinned)
-        slow = [k for k in keys if not self.chunks.in_memory(k)]
-        runs = batches([self.chunk_tokens * self.spec.token_bytes] * len(slow), self.config.batch_bytes)
-
-        def op(run: list[str]) -> Callable[[], Awaitable[None]]:
-            async def go() -> None:
-                handle.staged.update(await self.chunks.fetch(run, [self.chunk_tokens] * len(run)))
-
-            return go
-
-        # One task per run, ungated: their reads go through the IO engine, which bounds them.
-        handle.start(Batch([asyncio.ensure_future(op([slow[i] for i in run])()) for run in runs]))
-        return handle
+        return self.chunks.prefetch(keys[: await self.chunks.lookup(keys)], self.chunk_tokens)
 
     async def load(
         self,

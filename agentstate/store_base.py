@@ -23,7 +23,7 @@ from agentstate.errors import KVShapeError
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, ChunkKey, chunk_keys, namespace_for, validate_id
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget, TensorTarget
-from agentstate.transfer import Span
+from agentstate.chunks import Span
 
 if TYPE_CHECKING:
     from agentstate.redis_catalog import RedisCatalog

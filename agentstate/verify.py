@@ -10,9 +10,9 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from agentstate import codec
-from agentstate.admin import QUIET, Progress, session_keys, stored_size
+from agentstate.ops.admin import QUIET, Progress, session_keys, stored_size
 from agentstate.errors import AgentStateError, CorruptDataError
-from agentstate.io import batches
+from agentstate.chunks import batches
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore

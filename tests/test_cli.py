@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from agentstate import ModelSpec, StateStore
-from agentstate.admin import record_spec
+from agentstate.ops.admin import record_spec
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 from tests.requires import skip_or_fail
 from tests.test_corruption import rewrite_lmdb_value

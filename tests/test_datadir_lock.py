@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from agentstate import StateStore
-from agentstate.admin import record_spec
+from agentstate.ops.admin import record_spec
 from agentstate.errors import AgentStateError, DataDirLockedError
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 from tests.test_cli import AGENTSTATE, CHUNK, cli

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from agentstate import StateStore
-from agentstate.service import create_app
+from agentstate.server.service import create_app
 from agentstate.wire import CHUNK_TYPE, FRAME_TYPE
 from tests.conftest import SPEC4, random_kv, random_tokens
 from tests.test_fuzz_formats import JSON, LoopThread

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from agentstate import StateStore, StoreConfig
-from agentstate.admin import record_spec
+from agentstate.ops.admin import record_spec
 from agentstate.config import TierConfig
-from agentstate.dataplane import read_chunk
+from agentstate.server.dataplane import read_chunk
 from agentstate.errors import CorruptDataError
 from agentstate.manifest import SessionManifest
 from agentstate.verify import verify
@@ -179,7 +179,7 @@ async def test_a_value_moved_across_tenants_is_refused(tmp_path: Path) -> None:
 async def test_archive_frames_are_bound_to_their_members(tmp_path: Path) -> None:
     """Export binds each frame to its member name: two frames swapped inside an archive (with the
     index's sizes and checksums swapped to match) are refused by import before anything is written."""
-    from agentstate.archive import INDEX, export_sessions, import_sessions
+    from agentstate.ops.archive import INDEX, export_sessions, import_sessions
 
     async with StateStore.open(config(tmp_path / "src", "lmdb"), SPEC4) as store:
         for sid, (toks, kv) in SESSIONS.items():

@@ -24,10 +24,10 @@ import torch
 import uvicorn
 
 from agentstate import StateStore
-from agentstate.admin import SPEC_FILE
+from agentstate.ops.admin import SPEC_FILE
 from agentstate.errors import InvalidArgumentError
-from agentstate.gate import Limits, tenant_table
-from agentstate.service import DEMO_SPEC, create_app, load_tokens, resolve_spec
+from agentstate.server.gate import Limits, tenant_table
+from agentstate.server.service import DEMO_SPEC, create_app, load_tokens, resolve_spec
 from agentstate.wire import FRAME_TYPE, checksum, kv_payload
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 
@@ -407,12 +407,12 @@ def _free_port() -> int:
 
 
 async def test_run_serves_a_data_dir_until_sigterm(tmp_path: Path) -> None:
-    """`agentstate.service.run`, what `agentstate serve` calls, in its own process."""
+    """`agentstate.server.service.run`, what `agentstate serve` calls, in its own process."""
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({ALICE: "alice"}))
     port = _free_port()
     code = (
-        "import sys; from pathlib import Path; from agentstate.service import run; from tests.conftest import SPEC4; "
+        "import sys; from pathlib import Path; from agentstate.server.service import run; from tests.conftest import SPEC4; "
         f"run(Path(sys.argv[1]), host='127.0.0.1', port={port}, tokens_file=Path(sys.argv[2]), spec=SPEC4)"
     )
     root = Path(__file__).resolve().parent.parent

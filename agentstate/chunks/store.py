@@ -30,13 +30,14 @@ from agentstate.chunks.lock import DataDirLock
 from agentstate.chunks.registry import CAPACITY_MANAGED, build_backend
 from agentstate.config import StoreConfig
 from agentstate.errors import InvalidArgumentError
-from agentstate.index import ChunkIndex
-from agentstate.io import IOEngine
+from agentstate.chunks.index import ChunkIndex
+from agentstate.chunks.io import Batch, IOEngine, batches
+from agentstate.chunks.prefetch import PrefetchHandle
 from agentstate.memory import BufferPool
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget
-from agentstate.tiers import Tier, TierManager, Value
-from agentstate.transfer import Span, Transfer
+from agentstate.chunks.tiers import Tier, TierManager, Value
+from agentstate.chunks.transfer import Span, Transfer
 
 log = logging.getLogger("agentstate.chunks")
 RefCounts = Callable[[list[str]], Awaitable[list[int]]]
@@ -262,6 +263,20 @@ class ChunkStore:
     async def fetch(self, keys: Sequence[str], tokens: Sequence[int]) -> dict[str, Value]:
         """Read and check chunks into owned host buffers (prefetch staging)."""
         return await self._transfer.fetch(keys, tokens)
+
+    def prefetch(self, keys: Sequence[str], chunk_tokens: int) -> PrefetchHandle:
+        """Start reading the chunks of `keys` that no memory tier holds into owned host buffers,
+        in the background (one task per batch; the IO engine bounds what is in flight). The keys
+        stay pinned until the reads end; `load(..., prefetch=handle)` completes it."""
+        handle = PrefetchHandle(keys, self.pinned)
+        slow = [k for k in keys if not self.in_memory(k)]
+        runs = batches([chunk_tokens * self.spec.token_bytes] * len(slow), self.config.batch_bytes)
+
+        async def fetch(run: list[str]) -> None:
+            handle.staged.update(await self._transfer.fetch(run, [chunk_tokens] * len(run)))
+
+        handle.start(Batch([asyncio.ensure_future(fetch([slow[i] for i in run])) for run in runs]))
+        return handle
 
     async def read_value(self, key: str, tokens: int) -> memoryview | None:
         """The checked codec bytes of `key` (a chunk of `tokens` tokens) from the fastest tier

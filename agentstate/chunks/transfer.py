@@ -19,13 +19,13 @@ import torch
 
 from agentstate import codec
 from agentstate.errors import AgentStateError
-from agentstate.io import IOEngine, batches
+from agentstate.chunks.io import IOEngine, batches
 from agentstate.memory import copy_bytes, host_buffer
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget
-from agentstate.tiers import Tier, TierManager, Value
+from agentstate.chunks.tiers import Tier, TierManager, Value
 
-log = logging.getLogger("agentstate.transfer")
+log = logging.getLogger("agentstate.chunks.transfer")
 Span = tuple[int, int]  # (first token, number of tokens)
 
 

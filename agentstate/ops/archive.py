@@ -30,7 +30,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentstate import codec
-from agentstate.admin import QUIET, Progress
+from agentstate.ops.admin import QUIET, Progress
 from agentstate.errors import (
     AgentStateError,
     ConflictError,

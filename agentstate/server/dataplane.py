@@ -25,7 +25,7 @@ from fastapi import Depends, FastAPI, Request, Response
 
 from agentstate import codec
 from agentstate.errors import CorruptDataError, InvalidArgumentError
-from agentstate.gate import ServiceContext, frame_response, off_loop, read_body
+from agentstate.server.gate import ServiceContext, frame_response, off_loop, read_body
 from agentstate.keys import CHUNK_PREFIX, ChunkKey, chunk_keys, token_array
 from agentstate.store import StateStore
 from agentstate.wire import (
@@ -43,7 +43,7 @@ from agentstate.wire import (
     split_frame,
 )
 
-log = logging.getLogger("agentstate.dataplane")
+log = logging.getLogger("agentstate.server.dataplane")
 _HANDLE = re.compile(r"([0-9a-f]{64})\.([0-9a-f]{32})")
 _BINARY_BODY = {
     "requestBody": {"required": True, "content": {FRAME_TYPE: {"schema": {"type": "string", "format": "binary"}}}}

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Literal
 
-from agentstate.io import Batch
-from agentstate.tiers import Value
+from agentstate.chunks.io import Batch
+from agentstate.chunks.tiers import Value
 
 PrefetchPolicy = Literal["wait_complete", "best_effort", "timeout"]
 

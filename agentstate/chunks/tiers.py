@@ -25,10 +25,10 @@ from typing import Literal
 
 from agentstate.backends.base import Backend
 from agentstate.errors import AgentStateError, CapacityError, InvalidArgumentError
-from agentstate.index import ChunkIndex
+from agentstate.chunks.index import ChunkIndex
 from agentstate.memory import copy_bytes
 
-log = logging.getLogger("agentstate.tiers")
+log = logging.getLogger("agentstate.chunks.tiers")
 WritePolicy = Literal["write_through", "write_back", "write_through_selective"]
 Value = bytes | bytearray | mmap.mmap | memoryview
 

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agentstate.errors import AgentStateError, InvalidArgumentError
 from agentstate.keys import validate_id
-from agentstate.metrics import Metrics
+from agentstate.server.metrics import Metrics
 from agentstate.store import StateStore
 from agentstate.wire import (
     FRAME_TYPE,

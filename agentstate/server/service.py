@@ -4,7 +4,7 @@ One process opens a data directory once and serves every tenant through `StateSt
 views. A bearer token maps to a tenant; every `/v1` route acts as that tenant only, so another
 tenant's session is 404 exactly like one that never existed (never 403: existence does not
 leak). KV travels as binary frames (`agentstate.wire`), chunks in the codec format
-(`agentstate.dataplane`). Ops routes: `/healthz`, `/metrics` (Prometheus text), `/openapi.json`.
+(`agentstate.server.dataplane`). Ops routes: `/healthz`, `/metrics` (Prometheus text), `/openapi.json`.
 """
 
 import asyncio
@@ -25,13 +25,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from agentstate.admin import record_spec, recorded_spec
+from agentstate.ops.admin import record_spec, recorded_spec
 from agentstate.config import StoreConfig
-from agentstate.dataplane import Handles, register
+from agentstate.server.dataplane import Handles, register
 from agentstate.errors import AgentStateError, InvalidArgumentError
-from agentstate.gate import Gate, Limits, ServiceContext, error_response, frame_response, off_loop, read_body
+from agentstate.server.gate import Gate, Limits, ServiceContext, error_response, frame_response, off_loop, read_body
 from agentstate.manifest import SessionManifest
-from agentstate.metrics import CONTENT_TYPE, Metrics
+from agentstate.server.metrics import CONTENT_TYPE, Metrics
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
 from agentstate.wire import (
@@ -49,7 +49,7 @@ from agentstate.wire import (
 )
 
 __all__ = ["Limits", "create_app", "run", "serve"]
-log = logging.getLogger("agentstate.service")
+log = logging.getLogger("agentstate.server.service")
 DEMO_SPEC = ModelSpec(model_id="agentstate/demo-llama-8b-shape", num_layers=32, num_kv_heads=8, head_dim=128)
 """What `run` serves when given no spec and none is recorded: a Llama-3-8B KV shape, for trying it out."""
 _FRAME_BODY = {
