@@ -21,6 +21,10 @@ def test_wheel_holds_only_the_agentstate_package(tmp_path: Path) -> None:
     assert tops == {"agentstate", next(t for t in tops if t.endswith(".dist-info"))}
     for module in ("agentstate/store.py", "agentstate/backends/lmdb.py", "agentstate/backends/host.py", "agentstate/adapters/__init__.py"):
         assert module in names
+    # every module of the checkout ships: a subpackage missing from pyproject's list breaks a real install
+    sources = {f"agentstate/{p.relative_to(ROOT / 'agentstate')}" for p in (ROOT / "agentstate").rglob("*.py")}
+    sources |= {f"agentstate/{d}/{p.name}" for d in ("backends", "adapters") for p in (ROOT / d).glob("*.py")}
+    assert sources - set(names) == set()
 
 
 def test_checkout_imports_resolve_to_the_same_files() -> None:
