@@ -96,6 +96,39 @@ class StateStore(SessionOps):
             raise
         return len(new) * self.chunk_tokens
 
+    async def put_chunks(self, tokens: Sequence[int] | torch.Tensor, chunks: dict[int, torch.Tensor]) -> int:
+        """Store some full chunks of a shared prefix, by chunk index, without the KV of the others:
+        what an engine that saves chunk by chunk as it computes them calls (the vLLM connector).
+
+        `tokens` covers the prefix through the last chunk given; `chunks[i]` is the canonical KV of
+        tokens `i*chunk_tokens .. (i+1)*chunk_tokens`. Chunks already stored are skipped; the
+        prefix through the last given chunk is recorded (kept until removed, as `put_prefix`).
+        Returns how many tokens were newly stored.
+        """
+        packed = token_array(tokens)
+        keys = self._keys(packed)
+        if not chunks:
+            return 0
+        last = max(chunks)
+        if min(chunks) < 0 or last >= len(keys):
+            raise AgentStateError(f"chunk indices {sorted(chunks)} outside the {len(keys)} full chunks of tokens")
+        for kv in chunks.values():
+            self.spec.check_kv(kv, self.chunk_tokens)
+        order = sorted(chunks)
+        named = [keys[i] for i in order]
+        new: list[int] = []
+        try:
+            with self.chunks.pinned(named):
+                new = await self.chunks.missing(named, durable=False)
+                if new:
+                    await self.chunks.write([named[i] for i in new], [chunks[order[i]] for i in new], durable=False)
+                await self.catalog.add_prefix(keys[: last + 1])
+        except BaseException:
+            with contextlib.suppress(AgentStateError):
+                await self._collect([named[i] for i in new])
+            raise
+        return len(new) * self.chunk_tokens
+
     async def match(self, tokens: Sequence[int] | torch.Tensor) -> MatchResult:
         """How many leading tokens are cached (whole chunks), and which tier serves each chunk."""
         keys = self._keys(token_array(tokens))

@@ -1,0 +1,744 @@
+"""vLLM KV connector on an agentstate store, loaded from this module by vLLM's connector factory::
+
+    --kv-transfer-config '{"kv_connector": "AgentStateConnector",
+      "kv_connector_module_path": "agentstate.adapters.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"path": "/data/kv"}}'
+
+`{"path": DIR}` alone is the embedded default (host tier over LMDB in DIR). Other keys: `model_id`,
+`revision`, `timeout_s`, `lookup_timeout_s`, `config_file` (a JSON file of StoreConfig fields), and
+any StoreConfig field (`tiers`, `tenant`, `chunk_tokens`, `catalog_url`, ...), as for the SGLang
+adapter. With tensor or pipeline parallelism each rank has its own directory below DIR.
+
+How it runs. vLLM makes one instance per role. The WORKER instance (in the process that owns the
+KV blocks) opens the store and owns it: a data directory has one writer. The SCHEDULER instance
+(vLLM's EngineCore, another process on CPU) computes agentstate's chunk keys over a prompt's
+token ids (cache_salt, where set, is the tenant namespace) and asks the worker, over a Unix socket,
+how many leading chunks are stored (`adapters/vllm_blocks.py`). It reports whole chunks beyond
+vLLM's own hit, leaving at least one prompt token to compute, as an asynchronous load: the
+request waits while the worker's event loop copies each checked chunk straight into the
+request's blocks (a KVTarget over the engine's registered caches), and other requests' forwards
+go on. A chunk that is missing, corrupt or late is reported through
+`get_block_ids_with_load_errors` and vLLM recomputes from there (the connector sets
+`kv_load_failure_policy` to "recompute"); a store outage is a miss.
+
+Saves: after each forward, the full chunks this step completed are deduped against the store's
+index, copied out of the blocks (the only synchronous work), and written behind on the loop.
+
+Sessions: a request whose `kv_transfer_params` holds `{"agentstate": {"session_id": ..., "state":
+{...}}}` is snapshotted when it finishes (its blocks are held until then): tokens with computed KV
+(prompt and generated, the last sampled token excepted: it has no KV yet), tail included, and the
+state. A later request naming the same session whose prompt extends the session's tokens loads
+all of it, tail included.
+
+Never raises into vLLM's threads: every engine-facing call answers a miss (or a failed load) and
+logs instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import Field
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from agentstate.adapters.sglang_pages import AdapterSettings, LoopThread, never_raises
+from agentstate.adapters.vllm_blocks import (
+    BlockLayout,
+    BlocksTarget,
+    LookupClient,
+    LookupServer,
+    gather,
+    layout_for,
+    socket_name,
+)
+from agentstate.config import StoreConfig
+from agentstate.errors import AgentStateError, BackendError, InvalidArgumentError
+from agentstate.keys import chunk_keys, namespace_for, validate_id
+from agentstate.spec import DTYPE_NAMES, ModelSpec
+from agentstate.store import StateStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.agentstate")  # under vLLM's logger: shown with the engine's logs
+SPEC_FILE = "spec.json"
+DEFAULT_CHUNK_TOKENS = 256
+
+
+class VllmSettings(AdapterSettings):
+    """The adapter's own keys of `kv_connector_extra_config`; every other key is a StoreConfig field."""
+
+    path: Path = Field(default=Path("agentstate-vllm"), description="data directory (one per rank below it with TP/PP)")
+    lookup_timeout_s: float = Field(default=2.0, gt=0, description="longest the scheduler waits for a lookup")
+    config_file: Path | None = Field(default=None, description="JSON file of StoreConfig fields (inline keys win)")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> tuple[VllmSettings, dict[str, Any]]:
+        settings, rest = cls.split(extra)
+        if settings.config_file is not None:
+            rest = {**json.loads(Path(settings.config_file).read_text()), **rest}
+        rest.pop("path", None)
+        return settings, rest
+
+
+def model_spec(vllm_config: VllmConfig, settings: VllmSettings) -> ModelSpec:
+    """The ModelSpec of this engine's KV (per rank): the same model gives the same spec in every engine."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        raise InvalidArgumentError(f"KV cache dtype {cache_dtype}: only unquantized KV (cache_dtype auto) is stored")
+    if mc.use_mla:
+        raise InvalidArgumentError("MLA models are not supported by the vLLM connector yet")
+    if mc.dtype not in DTYPE_NAMES:
+        raise InvalidArgumentError(f"model dtype {mc.dtype} cannot be stored")
+    tp = pc.tensor_parallel_size
+    rank = pc.rank % tp if tp > 1 else 0
+    return ModelSpec(
+        model_id=settings.model_id or str(mc.model), revision=settings.revision or mc.revision or "main",
+        dtype=DTYPE_NAMES[mc.dtype], num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
+        head_dim=mc.get_head_size(), tp_rank=rank, tp_size=tp,
+    )  # fmt: skip
+
+
+def data_dir(vllm_config: VllmConfig, settings: VllmSettings, rank: int) -> Path:
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size == 1 and pc.pipeline_parallel_size == 1:
+        return settings.path
+    return settings.path / f"tp{rank}-{pc.tensor_parallel_size}.pp{pc.pipeline_parallel_size}"
+
+
+def tenant_of(salt: str | None, default: str) -> str:
+    """A request's tenant: its cache_salt (hashed when it is not a valid id), else the configured one."""
+    if not salt:
+        return default
+    try:
+        return validate_id(salt, "tenant")
+    except AgentStateError:
+        return "salt-" + hashlib.blake2b(salt.encode(), digest_size=16).hexdigest()
+
+
+def session_of(params: Any) -> tuple[str, dict[str, Any]] | None:
+    """(session id, state) named by a request's kv_transfer_params, or None."""
+    if not isinstance(params, dict) or not isinstance(params.get("agentstate"), dict):
+        return None
+    own = params["agentstate"]
+    sid = own.get("session_id")
+    if not isinstance(sid, str):
+        return None
+    state = own.get("state") or {}
+    return validate_id(sid), state if isinstance(state, dict) else {"value": state}
+
+
+# -- metadata: what the scheduler tells the worker each step ------------------------------------------
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    keys: list[str]
+    spans: list[tuple[int, int]]
+    block_ids: list[int]
+    first: int
+    end: int
+
+
+@dataclass
+class SaveJob:
+    req_id: str
+    tenant: str
+    tokens: list[int]
+    keys: list[str]
+    chunks: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class SessionJob:
+    req_id: str
+    tenant: str
+    session_id: str
+    state: dict[str, Any]
+    tokens: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class AgentStateMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    sessions: list[SessionJob] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-side state of one request."""
+
+    request: Any
+    tenant: str
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # chunks handed to the worker (or known stored)
+
+
+# -- metrics -------------------------------------------------------------------------------------------
+
+STAT_KEYS = ("hit_tokens", "loaded_tokens", "stored_tokens", "load_error_blocks", "sessions_saved", "errors")
+
+
+@dataclass
+class AgentStateStats(KVConnectorStats):
+    """Counts of one interval, summed over workers: what `vllm:agentstate_*` metrics show."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(STAT_KEYS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class AgentStatePromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        helps = {
+            "hit_tokens": "tokens the agentstate connector was asked to load",
+            "loaded_tokens": "tokens loaded from agentstate into the engine's blocks",
+            "stored_tokens": "tokens stored into agentstate (new chunks)",
+            "load_error_blocks": "blocks whose agentstate load failed (recomputed)",
+            "sessions_saved": "agentstate sessions snapshotted",
+            "errors": "agentstate connector errors",
+        }
+        self.counters = {}
+        for key, doc in helps.items():
+            counter = self._counter_cls(name=f"vllm:agentstate_{key}", documentation=doc, labelnames=labelnames)
+            self.counters[key] = {
+                idx: counter.labels(*values) for idx, values in self.per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, by_engine in self.counters.items():
+            amount = transfer_stats_data.get(key, 0)
+            if amount and engine_idx in by_engine:
+                by_engine[engine_idx].inc(amount)
+
+
+# -- the connector ---------------------------------------------------------------------------------------
+
+
+class AgentStateConnector(KVConnectorBase_V1):
+    """KV connector over an agentstate StateStore (see the module doc)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        self.settings, self._overrides = VllmSettings.from_extra(extra)
+        self.config = StoreConfig(path=self.settings.path, **self._overrides)  # checks every key now
+        self.block_size = int(vllm_config.cache_config.block_size)
+        if "chunk_tokens" not in self._overrides:
+            c = DEFAULT_CHUNK_TOKENS
+            self._overrides["chunk_tokens"] = c if c % self.block_size == 0 else self.block_size
+            self.config = StoreConfig(path=self.settings.path, **self._overrides)
+        self.chunk_tokens = self.config.chunk_tokens
+        if self.chunk_tokens % self.block_size:
+            raise InvalidArgumentError(
+                f"chunk_tokens {self.chunk_tokens} must be a multiple of the engine's block size {self.block_size}"
+            )
+        self.spec = model_spec(vllm_config, self.settings)
+        self.counts: Counter[str] = Counter()
+        self._count_lock = threading.Lock()
+        pc = vllm_config.parallel_config
+        self._tp = pc.tensor_parallel_size
+        if role == KVConnectorRole.SCHEDULER:
+            # A failed load falls back to recompute (vLLM's default is to fail the request).
+            vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
+            self._clients = [
+                LookupClient(
+                    socket_name(str(data_dir(vllm_config, self.settings, r).resolve()), r), self.settings.lookup_timeout_s
+                )
+                for r in range(self._tp * pc.pipeline_parallel_size)
+            ]
+            self._tracked: dict[str, _Tracked] = {}
+            self._matched: dict[str, tuple[int, dict[str, Any]]] = {}
+            self._loads: list[LoadJob] = []
+            self._sessions: list[SessionJob] = []
+        else:
+            self.rank = pc.rank if self._tp * pc.pipeline_parallel_size > 1 else 0
+            self.path = data_dir(vllm_config, self.settings, self.rank)
+            self._loop = LoopThread("agentstate-vllm")
+            self.store: StateStore | None = None
+            self.layout: BlockLayout | None = None
+            self.planes: list[tuple[torch.Tensor, torch.Tensor]] = []
+            self._server: LookupServer | None = None
+            self._loading: dict[str, tuple[concurrent.futures.Future[set[int]], BlocksTarget, LoadJob, float]] = {}
+            self._sending: dict[str, concurrent.futures.Future[None]] = {}
+            self._writes: list[concurrent.futures.Future[None]] = []
+            self._errors: set[int] = set()
+            self._stats = AgentStateStats()
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    def _count(self, **amounts: int) -> None:
+        with self._count_lock:
+            self.counts.update(amounts)
+            if self.role == KVConnectorRole.WORKER:
+                for k, v in amounts.items():
+                    if k in STAT_KEYS:
+                        self._stats.data[k] += v
+
+    def _failed(self, call: str, exc: BaseException) -> None:
+        self._count(errors=1)
+        if isinstance(exc, (AgentStateError, TimeoutError, OSError)):
+            log.warning("agentstate %s failed: %s", call, exc)
+        else:
+            log.exception("agentstate %s failed", call)
+
+    def _keys(self, tokens: list[int], tenant: str) -> list[str]:
+        ns = namespace_for(tenant, self.config.shared_namespace)
+        return list(chunk_keys(tokens, namespace=ns, fingerprint=self.spec.fingerprint, chunk_tokens=self.chunk_tokens))
+
+    # ==============================================================================================
+    # Scheduler side
+    # ==============================================================================================
+
+    def _ask(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+        return [client.ask(request) for client in self._clients]
+
+    @never_raises(lambda *_, **__: (0, False))
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Whole stored chunks beyond vLLM's own hit (at least one prompt token left to compute);
+        a session named in kv_transfer_params adds its tail. Loaded asynchronously."""
+        tokens = list(request.all_token_ids[: request.num_tokens])
+        limit = len(tokens) - 1
+        tenant = tenant_of(request.cache_salt, self.config.tenant)
+        session = session_of(request.kv_transfer_params)
+        keys = self._keys(tokens[: limit // self.chunk_tokens * self.chunk_tokens], tenant)
+        if not keys and session is None:
+            return 0, False
+        query: dict[str, Any] = {"op": "lookup", "keys": keys, "tenant": tenant}
+        if session is not None:
+            query.update(session=session[0], tokens=tokens)
+        replies = self._ask(query)
+        hit = min(int(r.get("chunks", 0)) for r in replies) * self.chunk_tokens
+        plan: dict[str, Any] = {"keys": keys, "chunks": hit // self.chunk_tokens}
+        sess = [r.get("session") for r in replies]
+        if session is not None and all(sess) and len({s["tail_key"] for s in sess}) == 1:
+            n = min(s["tokens"] for s in sess)
+            full = min(len(s["chunk_keys"]) for s in sess)
+            if n > hit and sess[0]["chunk_tokens"] == self.chunk_tokens:
+                hit = min(n, limit)
+                plan = {"keys": sess[0]["chunk_keys"][:full], "chunks": full, "tail_key": sess[0]["tail_key"],
+                        "tail_tokens": n - full * self.chunk_tokens}  # fmt: skip
+        if hit <= num_computed_tokens:
+            return 0, False
+        self._matched[request.request_id] = (num_computed_tokens, {**plan, "end": hit})
+        return hit - num_computed_tokens, True
+
+    @never_raises(lambda *_, **__: None)
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        block_ids = list(blocks.get_block_ids()[0])
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
+            tracked = self._tracked[req_id] = _Tracked(request, tenant_of(request.cache_salt, self.config.tenant))
+        if block_ids:
+            tracked.block_ids = block_ids
+        matched = self._matched.pop(req_id, None)
+        if num_external_tokens <= 0:
+            return
+        if matched is None:  # cannot happen; fail the load rather than leave the request waiting
+            matched = (0, {"keys": [], "chunks": 0, "end": 0})
+        first, plan = matched
+        end = first + num_external_tokens
+        c = self.chunk_tokens
+        c0 = first // c
+        n_full = min(plan["chunks"], -(-end // c))
+        keys = list(plan["keys"][c0:n_full])
+        spans = [(i * c, c) for i in range(c0, n_full)]
+        if plan.get("tail_key") and end > n_full * c:
+            keys.append(plan["tail_key"])
+            spans.append((n_full * c, plan["tail_tokens"]))
+        self._loads.append(LoadJob(req_id, keys, spans, block_ids, first, end))
+        tracked.saved = max(tracked.saved, end // c)
+
+    @never_raises(lambda *_, **__: AgentStateMetadata())
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = AgentStateMetadata(loads=self._loads, sessions=self._sessions)
+        self._loads, self._sessions = [], []
+        c = self.chunk_tokens
+        computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0])
+                computed[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                tracked.block_ids.extend(new_ids[0])
+            computed[req_id] = cached.num_computed_tokens[i]
+        for req_id, done in computed.items():
+            tracked = self._tracked[req_id]
+            end = (done + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // c
+            if end <= tracked.saved:
+                continue
+            tokens = list(tracked.request.all_token_ids[: end * c])
+            keys = self._keys(tokens, tracked.tenant)
+            todo = list(range(tracked.saved, end))
+            meta.saves.append(
+                SaveJob(req_id, tracked.tenant, tokens, [keys[j] for j in todo], todo, list(tracked.block_ids))
+            )
+            tracked.saved = end
+        for req_id in scheduler_output.finished_req_ids:
+            self._tracked.pop(req_id, None)
+        return meta
+
+    @never_raises(lambda *_, **__: (False, None))
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """A request naming a session is snapshotted by the worker; its blocks are held until then."""
+        self._tracked.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
+        session = session_of(request.kv_transfer_params)
+        n = min(int(request.num_computed_tokens), len(request.all_token_ids))
+        if session is None or n <= 0 or not block_ids:
+            return False, None
+        tenant = tenant_of(request.cache_salt, self.config.tenant)
+        tokens = list(request.all_token_ids[:n])
+        self._sessions.append(SessionJob(request.request_id, tenant, session[0], session[1], tokens, list(block_ids)))
+        return True, None
+
+    # -- metrics -----------------------------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return AgentStateStats(data=dict(data)) if data is not None else AgentStateStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any
+    ) -> KVConnectorPromMetrics | None:
+        return AgentStatePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ==============================================================================================
+    # Worker side
+    # ==============================================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Choose the block layout from the engine's attention backend, open the store, serve lookups.
+
+        An unsupported layout leaves the connector off (logged): no hits, nothing stored."""
+        try:
+            self.layout, self.planes = self._layout(kv_caches)
+            self.store = self._loop.run(self._open(), max(self.settings.timeout_s, 600.0))
+        except Exception as exc:  # noqa: BLE001 - the engine runs on without the store
+            self._failed("register_kv_caches", exc)
+            self.layout, self.planes = None, []
+
+    def _layout(self, kv_caches: dict[str, torch.Tensor]) -> tuple[BlockLayout, list[tuple[torch.Tensor, torch.Tensor]]]:
+        from vllm.model_executor.layers.attention import Attention  # noqa: F401 - vLLM present here
+
+        layers = self._vllm_config.compilation_config.static_forward_context
+        names = list(kv_caches)
+        if len(names) != self.spec.num_layers:
+            raise InvalidArgumentError(f"{len(names)} KV caches for {self.spec.num_layers} layers")
+        first = layers.get(names[0])
+        backend = first.attn_backend.get_name() if first is not None else "?"
+        if backend == "CPU_ATTN":
+            variant = getattr(first, "isa", None) or _cpu_isa(self._vllm_config, self.block_size, self.spec)
+        else:
+            variant = _cuda_layout()
+        layout = layout_for(
+            backend, variant, block_size=self.block_size, heads=self.spec.num_kv_heads, dim=self.spec.head_dim
+        )
+        for name in names:
+            if kv_caches[name].dtype != self.spec.torch_dtype:
+                raise InvalidArgumentError(f"KV cache {name} is {kv_caches[name].dtype}, the spec {self.spec.dtype}")
+        log.info("agentstate: %s layout %s (%s %s) at %s", self.spec.model_id, layout.name, backend, variant, self.path)
+        return layout, [layout.planes(kv_caches[n]) for n in names]
+
+    async def _open(self) -> StateStore:
+        config = StoreConfig(**{**self._overrides, "path": self.path})
+        store = await StateStore.open(config, self.spec)
+        try:
+            _record_spec(Path(config.path), self.spec)
+            self._server = LookupServer(socket_name(str(Path(self.path).resolve()), self.rank), self._answer)
+            await self._server.start()
+        except BaseException:
+            await store.close()
+            raise
+        return store
+
+    def _ready(self) -> StateStore:
+        if self.store is None or self.layout is None:
+            raise BackendError("the agentstate store is not open (unsupported layout, or closed)")
+        return self.store
+
+    async def _answer(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The scheduler's lookup: leading stored chunks, and a named session's manifest if it fits."""
+        store = self._ready()
+        keys = [str(k) for k in request.get("keys", [])]
+        reply: dict[str, Any] = {"chunks": await store.chunks.lookup(keys) if keys else 0}
+        sid = request.get("session")
+        if sid:
+            reply["session"] = await self._session_hit(store.for_tenant(request["tenant"]), sid, request["tokens"])
+        return reply
+
+    async def _session_hit(self, view: StateStore, session_id: str, tokens: list[int]) -> dict[str, Any] | None:
+        try:
+            manifest = await view.session(session_id)
+        except AgentStateError:
+            return None
+        n = manifest.num_tokens
+        if n > len(tokens) or list(manifest.tokens) != tokens[:n]:
+            return None
+        keys = [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
+        if not all(await view.chunks.present(keys)):
+            return None
+        return {"tokens": n, "chunk_keys": list(manifest.chunk_keys), "tail_key": manifest.tail_key,
+                "chunk_tokens": manifest.chunk_tokens}  # fmt: skip
+
+    # -- loads -------------------------------------------------------------------------------------
+
+    @never_raises(lambda *_, **__: None)
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start this step's loads on the store's loop (they complete between steps), and the
+        snapshots of finished session requests (their blocks are held until reported)."""
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AgentStateMetadata)
+        for job in meta.loads:
+            self._start_load(job)
+        for sjob in meta.sessions:
+            self._start_session(sjob)
+
+    def _start_load(self, job: LoadJob) -> None:
+        if job.req_id in self._loading:
+            return
+        try:
+            self._ready()
+            target = BlocksTarget(self.planes, job.block_ids, self.block_size, job.first, job.end)
+            future = asyncio.run_coroutine_threadsafe(self._load(job, target), self._loop.loop)
+        except Exception as exc:  # noqa: BLE001 - the load fails, the blocks are recomputed
+            self._failed("load", exc)
+            done: concurrent.futures.Future[set[int]] = concurrent.futures.Future()
+            done.set_result(set())
+            target = BlocksTarget(self.planes or [(torch.empty(0), torch.empty(0))], [], 1, 0, 0)
+            future = done
+        self._loading[job.req_id] = (future, target, job, time.monotonic())
+        self._count(hit_tokens=job.end - job.first)
+
+    async def _load(self, job: LoadJob, target: BlocksTarget) -> set[int]:
+        """Read the job's chunks straight into its blocks; the span starts written in full."""
+        store = self._ready()
+        if not job.keys:
+            return set()
+        with store.chunks.pinned(job.keys):
+            await store.chunks.discover(job.keys)
+            await store.chunks.read(job.keys, job.spans, target)
+        return set(target.done)
+
+    def _finish_load(self, req_id: str, timed_out: bool) -> None:
+        future, target, job, _ = self._loading.pop(req_id)
+        written = target.close()
+        if not timed_out and future.done() and future.exception() is not None:
+            self._failed("load", future.exception())  # type: ignore[arg-type]
+        good = job.first
+        for start, n in job.spans:  # spans are in token order; the first gap ends the load
+            if start not in written:
+                break
+            good = start + n
+        good = min(max(good, job.first), job.end)
+        if good < job.end:
+            bad = {job.block_ids[t // self.block_size] for t in range(good, job.end) if t // self.block_size < len(job.block_ids)}
+            self._errors |= bad
+            self._count(load_error_blocks=len(bad))
+        self._count(loaded_tokens=good - job.first)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete between steps (the request waits in WAITING_FOR_REMOTE_KVS)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saved per chunk after the forward (wait_for_save)
+
+    # -- saves -------------------------------------------------------------------------------------
+
+    @never_raises(lambda *_, **__: None)
+    def wait_for_save(self) -> None:
+        """Copy this step's completed, not yet stored chunks out of the blocks; write them behind."""
+        self._writes = [f for f in self._writes if not f.done()]
+        if not self.has_connector_metadata() or self.store is None or self.layout is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AgentStateMetadata)
+        if not meta.saves:
+            return
+        all_keys = [k for job in meta.saves for k in job.keys]
+        present = self._loop.run(self._known(all_keys), self.settings.timeout_s)
+        i = 0
+        c = self.chunk_tokens
+        for job in meta.saves:
+            chunks: dict[int, torch.Tensor] = {}
+            for j in job.chunks:
+                if not present[i]:
+                    out = self.spec.empty_kv(c)
+                    chunks[j] = gather(self.planes, job.block_ids, self.block_size, j * c, c, out)
+                i += 1
+            if chunks:
+                view = self.store.for_tenant(job.tenant)
+                self._writes.append(
+                    asyncio.run_coroutine_threadsafe(self._write(view, job.tokens, chunks), self._loop.loop)
+                )
+
+    async def _known(self, keys: list[str]) -> list[bool]:
+        store = self._ready()
+        missing = set(await store.chunks.missing(keys, durable=False)) if keys else set()
+        return [i not in missing for i in range(len(keys))]
+
+    async def _write(self, view: StateStore, tokens: list[int], chunks: dict[int, torch.Tensor]) -> None:
+        try:
+            stored = await view.put_chunks(tokens, chunks)
+            self._count(stored_tokens=stored)
+        except Exception as exc:  # noqa: BLE001 - a lost save is a later miss
+            self._failed("save", exc)
+
+    # -- sessions ----------------------------------------------------------------------------------
+
+    def _start_session(self, job: SessionJob) -> None:
+        try:
+            store = self._ready()
+            kv = gather(self.planes, job.block_ids, self.block_size, 0, len(job.tokens), self.spec.empty_kv(len(job.tokens)))
+            view = store.for_tenant(job.tenant)
+            future = asyncio.run_coroutine_threadsafe(self._snapshot(view, job, kv), self._loop.loop)
+        except Exception as exc:  # noqa: BLE001 - the blocks must be released either way
+            self._failed("snapshot", exc)
+            future = concurrent.futures.Future()
+            future.set_result(None)
+        self._sending[job.req_id] = future
+
+    async def _snapshot(self, view: StateStore, job: SessionJob, kv: torch.Tensor) -> None:
+        try:
+            await view.snapshot(job.session_id, job.tokens, kv, job.state, force=True)
+            self._count(sessions_saved=1)
+        except Exception as exc:  # noqa: BLE001
+            self._failed("snapshot", exc)
+
+    # -- completions -------------------------------------------------------------------------------
+
+    @never_raises(lambda *_, **__: (None, None))
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        recving = set()
+        now = time.monotonic()
+        for req_id, (future, _, _, started) in list(self._loading.items()):
+            late = now - started > self.settings.timeout_s
+            if future.done() or late:
+                if not future.done():
+                    future.cancel()
+                self._finish_load(req_id, timed_out=late and not future.done())
+                recving.add(req_id)
+        sending = {r for r, f in self._sending.items() if f.done()}
+        for req_id in sending:
+            del self._sending[req_id]
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.role != KVConnectorRole.WORKER:
+            return None
+        with self._count_lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, AgentStateStats()
+        return stats
+
+    def shutdown(self) -> None:
+        """Finish writes and snapshots in flight, close the store, stop the loop. Never raises."""
+        if self.role != KVConnectorRole.WORKER or self._loop.closed:
+            return
+        try:
+            for f in [*self._writes, *self._sending.values()]:
+                try:
+                    f.result(self.settings.timeout_s)
+                except Exception:  # noqa: BLE001, S110 - counted where it failed
+                    pass
+            if self._server is not None:
+                self._loop.run(self._server.stop(), self.settings.timeout_s)
+            if self.store is not None:
+                self._loop.run(self.store.close(), max(self.settings.timeout_s, 60.0))
+        except Exception as exc:  # noqa: BLE001
+            self._failed("shutdown", exc)
+        finally:
+            self.store = None
+            self._loop.stop()
+
+    def __del__(self) -> None:
+        try:
+            if getattr(self, "_role", None) == KVConnectorRole.WORKER and hasattr(self, "_loop"):
+                self.shutdown()
+        except Exception:  # noqa: BLE001, S110
+            pass
+
+
+def _record_spec(path: Path, spec: ModelSpec) -> None:
+    """Write `<path>/spec.json` (as `agentstate serve` does), so `agentstate ls -p DIR` opens the directory."""
+    file = path / SPEC_FILE
+    if file.exists():
+        return
+    tmp = file.with_name(f".{SPEC_FILE}.{os.getpid()}")
+    tmp.write_text(spec.model_dump_json(indent=2))
+    tmp.replace(file)
+
+
+def _cpu_isa(vllm_config: Any, block_size: int, spec: ModelSpec) -> str:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(spec.torch_dtype, block_size, spec.head_dim, vllm_config.cache_config.cache_dtype))
+
+
+def _cuda_layout() -> str:
+    try:
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+        return str(get_kv_cache_layout())
+    except Exception:  # noqa: BLE001 - older/newer vLLM: NHD is the flash-attention default
+        return "NHD"

@@ -1,0 +1,289 @@
+"""Helpers of the vLLM connector that need no vLLM import: block layouts, the block target, and the
+lookup channel between vLLM's scheduler process and the worker that owns the store.
+
+Block layouts. vLLM keeps one KV tensor per attention layer, in a layout each attention backend
+chooses. Stored chunks are canonical (`[layers, planes, tokens, heads, dim]`); a `BlockLayout`
+turns one layer's tensor into two strided views `[num_blocks, block_size, heads, dim]` (K and V)
+over the same memory, so a restore copies straight into the engine's blocks and a save copies
+straight out of them: no intermediate tensor in the engine's layout. Chosen from what the engine
+reports (the backend's name; on CPU the kernel ISA), by `layout_for`:
+
+- `cpu_vec`: vLLM's CPU backend with its AVX-512/vec kernels, `[blocks, heads, block_size,
+  2 * dim]` where inside one (block, head) K is stored transposed `[dim, block_size]`, then V
+  `[block_size, dim]`. Tested against the engine.
+- `flash_nhd` / `flash_hnd`: the CUDA flash-attention family, `[2, blocks, block_size, heads,
+  dim]` (NHD), or its HND stride order. Written from vLLM's documented shape; tests marked `gpu`.
+
+Anything else (AMX's VNNI packing, MLA, quantized KV) is refused: the connector then stays off
+rather than store bytes it cannot read back.
+
+The lookup channel. vLLM runs its scheduler (EngineCore) and its workers in different processes
+on CPU, and a data directory has one writer. The worker owns the store; the scheduler sends it
+the chunk keys of a prompt over a Unix socket (abstract namespace, named after the data
+directory) and gets back how many leading chunks are stored. A scheduler that cannot reach the
+worker treats the prompt as a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import socket
+import struct
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from agentstate.errors import InvalidArgumentError
+from agentstate.target import KVTarget
+
+# -- layouts ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How one layer's KV tensor is blocks of K and V, as two strided views `[blocks, bs, heads, dim]`."""
+
+    name: str
+    block_size: int
+    heads: int
+    dim: int
+
+    def planes(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bs, h, d = self.block_size, self.heads, self.dim
+        if self.name == "cpu_vec":
+            if layer.dim() != 4 or tuple(layer.shape[1:]) != (h, bs, 2 * d):
+                raise InvalidArgumentError(f"CPU KV tensor {tuple(layer.shape)} is not [blocks, {h}, {bs}, {2 * d}]")
+            n = layer.shape[0]
+            k = layer.view(n, h, 2, d, bs)[:, :, 0].permute(0, 3, 1, 2)  # K^T inside (block, head)
+            v = layer.view(n, h, 2, bs, d)[:, :, 1].permute(0, 2, 1, 3)
+            return k, v
+        if self.name in ("flash_nhd", "flash_hnd"):
+            if layer.dim() != 5 or layer.shape[0] != 2:
+                raise InvalidArgumentError(f"flash-attention KV tensor {tuple(layer.shape)} is not [2, blocks, ...]")
+            if self.name == "flash_nhd":
+                if tuple(layer.shape[2:]) != (bs, h, d):
+                    raise InvalidArgumentError(f"KV tensor {tuple(layer.shape)} is not [2, blocks, {bs}, {h}, {d}]")
+                return layer[0], layer[1]
+            if tuple(layer.shape[2:]) != (h, bs, d):
+                raise InvalidArgumentError(f"KV tensor {tuple(layer.shape)} is not [2, blocks, {h}, {bs}, {d}]")
+            return layer[0].transpose(1, 2), layer[1].transpose(1, 2)
+        raise InvalidArgumentError(f"unknown block layout {self.name!r}")
+
+
+SUPPORTED = {
+    ("CPU_ATTN", "vec"): "cpu_vec",
+    ("FLASH_ATTN", "NHD"): "flash_nhd",
+    ("FLASH_ATTN", "HND"): "flash_hnd",
+}
+
+
+def layout_for(backend: str, variant: str, *, block_size: int, heads: int, dim: int) -> BlockLayout:
+    """The converter for an attention backend (`get_name()`) and its variant (CPU: the kernel ISA;
+    CUDA: the KV cache layout NHD/HND); InvalidArgumentError for layouts not supported."""
+    name = SUPPORTED.get((backend, variant))
+    if name is None:
+        raise InvalidArgumentError(
+            f"attention backend {backend} ({variant}) stores KV in a layout agentstate cannot convert"
+            f" (supported: {sorted(SUPPORTED)})"
+        )
+    return BlockLayout(name, block_size, heads, dim)
+
+
+# -- moving tokens between canonical chunks and blocks ----------------------------------------------
+
+
+class BlocksTarget(KVTarget):
+    """A restore lands in the engine's blocks: token `t` of the sequence is slot `t % bs` of block
+    `block_ids[t // bs]`, in every layer. Tokens before `first` are not written (vLLM holds them
+    already: its own prefix cache hit, which other requests may be reading).
+
+    After `close()` returns nothing writes any more (a load that timed out hands its blocks back).
+    """
+
+    def __init__(
+        self, planes: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], block_size: int, first: int,
+        num_tokens: int,
+    ) -> None:  # fmt: skip
+        self.planes = planes
+        self.block_ids = block_ids
+        self.block_size = block_size
+        self.first = first
+        self.num_tokens = num_tokens
+        self.device = planes[0][0].device
+        self.done: set[int] = set()
+        self._lock = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    def _copy(self, start: int, src: torch.Tensor) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._active += 1
+        try:
+            scatter(self.planes, self.block_ids, self.block_size, start, src, first=self.first)
+            with self._lock:
+                self.done.add(start)
+        finally:
+            with self._lock:
+                self._active -= 1
+                self._lock.notify_all()
+
+    def close(self) -> set[int]:
+        """Refuse further copies, wait for those under way; the start tokens of spans written in full."""
+        with self._lock:
+            self._closed = True
+            self._lock.wait_for(lambda: self._active == 0)
+            return set(self.done)
+
+
+def _runs(block_size: int, start: int, n: int, first: int) -> list[tuple[int, int, int]]:
+    """(block index, token lo, token hi) of the tokens `start .. start+n` at or after `first`."""
+    out = []
+    lo = max(start, first)
+    while lo < start + n:
+        j = lo // block_size
+        hi = min(start + n, (j + 1) * block_size)
+        out.append((j, lo, hi))
+        lo = hi
+    return out
+
+
+def scatter(
+    planes: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], block_size: int, start: int,
+    src: torch.Tensor, *, first: int = 0,
+) -> None:  # fmt: skip
+    """Copy canonical `src` (tokens `start ..`) into the blocks, one strided copy per (layer, plane, block)."""
+    for j, lo, hi in _runs(block_size, start, src.shape[2], first):
+        b, off = block_ids[j], j * block_size
+        for layer, (k, v) in enumerate(planes):
+            k[b, lo - off : hi - off].copy_(src[layer, 0, lo - start : hi - start])
+            v[b, lo - off : hi - off].copy_(src[layer, 1, lo - start : hi - start])
+
+
+def gather(
+    planes: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], block_size: int, start: int, n: int,
+    out: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Canonical KV `[layers, 2, n, heads, dim]` of tokens `start .. start+n`, copied out of the blocks."""
+    for j, lo, hi in _runs(block_size, start, n, 0):
+        b, off = block_ids[j], j * block_size
+        for layer, (k, v) in enumerate(planes):
+            out[layer, 0, lo - start : hi - start].copy_(k[b, lo - off : hi - off])
+            out[layer, 1, lo - start : hi - start].copy_(v[b, lo - off : hi - off])
+    return out
+
+
+# -- the lookup channel ------------------------------------------------------------------------------
+
+_HEADER = struct.Struct("!I")
+MAX_MESSAGE = 64 << 20
+
+
+def socket_name(path: str, rank: int) -> str:
+    """The abstract Unix socket of the worker that owns data directory `path` (no file, gone with the process)."""
+    digest = hashlib.blake2b(f"{path}\0{rank}".encode(), digest_size=12).hexdigest()
+    return f"\0agentstate-vllm-{digest}"
+
+
+def _pack(obj: Any) -> bytes:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    return _HEADER.pack(len(body)) + body
+
+
+class LookupServer:
+    """Answers the scheduler's questions on the worker's event loop: `handler(request) -> reply`."""
+
+    def __init__(self, name: str, handler: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
+        self.name = name
+        self.handler = handler
+        self.server: asyncio.AbstractServer | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_unix_server(self._serve, path=self.name)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._conns.add(task)
+        try:
+            while True:
+                (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+                if size > MAX_MESSAGE:
+                    break
+                request = json.loads(await reader.readexactly(size))
+                try:
+                    reply = await self.handler(request)
+                except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss, the channel stays up
+                    reply = {"error": f"{type(exc).__name__}: {exc}"}
+                writer.write(_pack(reply))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+            pass
+        except asyncio.CancelledError:
+            pass
+        finally:
+            writer.close()
+            self._conns.discard(task)  # type: ignore[arg-type]
+
+    async def stop(self) -> None:
+        for task in list(self._conns):
+            task.cancel()
+        if self._conns:
+            await asyncio.gather(*self._conns, return_exceptions=True)
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+            self.server = None
+
+
+class LookupClient:
+    """The scheduler's side: one blocking request at a time, reconnecting after any failure."""
+
+    def __init__(self, name: str, timeout_s: float) -> None:
+        self.name = name
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The worker's reply; raises OSError (or TimeoutError) when it cannot be reached."""
+        with self._lock:
+            try:
+                if self._sock is None:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    sock.settimeout(self.timeout_s)
+                    sock.connect(self.name)
+                    self._sock = sock
+                self._sock.sendall(_pack(request))
+                (size,) = _HEADER.unpack(self._recv(_HEADER.size))
+                if size > MAX_MESSAGE:
+                    raise OSError(f"lookup reply of {size} bytes")
+                return json.loads(self._recv(size))
+            except BaseException:
+                self.close()
+                raise
+
+    def _recv(self, n: int) -> bytes:
+        assert self._sock is not None
+        chunks, got = [], 0
+        while got < n:
+            part = self._sock.recv(n - got)
+            if not part:
+                raise ConnectionError("the agentstate worker closed the lookup channel")
+            chunks.append(part)
+            got += len(part)
+        return b"".join(chunks)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None

@@ -1,0 +1,109 @@
+"""Runs a real vLLM engine on CPU in its own process, for tests/test_adapter_vllm.py and
+benchmarks/bench_vllm.py: `python tests/vllm_engine.py JOB.json OUT.json`.
+
+JOB: {"model": dir, "connector": extra config dict or null, "chunked_prefill": bool,
+      "rounds": [[{"tokens": [...], "max_tokens": n, "params": kv_transfer_params or null,
+                   "salt": cache_salt or null}, ...], ...], "reset_between_rounds": true,
+      "connector_class": optional (e.g. "ExampleConnector"), "kv_load_failure_policy": optional}
+OUT:  {"rounds": [[{"tokens": [...], "cached": num_cached_tokens, "ttft": s, "e2e": s}]],
+       "metrics": {name: value}}
+
+One request per `generate` call and float32, so outputs are deterministic (shared/notes/vllm-cpu.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def make_model(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 2, kv_heads: int = 2,
+               vocab: int = 512, seed: int = 0) -> str:
+    """A tiny random-weight Llama in float32 (safetensors) and a WordLevel tokenizer, in `path`."""
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=16384,
+                         torch_dtype="float32", tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():  # sharper logits: greedy tokens depend on the context, not on noise
+        for p in model.parameters():
+            p.mul_(4.0)
+    model.save_pretrained(path, safe_serialization=True)
+    vocab_map = {f"t{i}": i for i in range(vocab)}
+    tok = Tokenizer(WordLevel(vocab_map, unk_token="t0"))
+    tok.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1", bos_token="t2").save_pretrained(path)
+    return path
+
+
+def run(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(model=job["model"], dtype="float32", enforce_eager=True, enable_prefix_caching=True,
+                  max_model_len=job.get("max_model_len", 8192), seed=0, disable_log_stats=False,
+                  enable_chunked_prefill=bool(job.get("chunked_prefill", False)))
+    if job.get("chunked_prefill"):
+        kwargs["max_num_batched_tokens"] = job.get("max_num_batched_tokens", 256)
+    else:
+        kwargs["max_num_batched_tokens"] = job.get("max_model_len", 8192)
+    if job.get("connector") is not None:
+        cls = job.get("connector_class", "AgentStateConnector")
+        cfg = {"kv_connector": cls, "kv_role": "kv_both", "kv_connector_extra_config": job["connector"]}
+        if cls == "AgentStateConnector":
+            cfg["kv_connector_module_path"] = "agentstate.adapters.vllm"
+        kwargs["kv_transfer_config"] = cfg
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    out = {"startup_s": time.perf_counter() - t0, "rounds": []}
+    for i, requests in enumerate(job["rounds"]):
+        if i and job.get("reset_between_rounds", True):
+            llm.reset_prefix_cache()
+        results = []
+        for req in requests:
+            extra = {"kv_transfer_params": req["params"]} if req.get("params") else None
+            sp = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), ignore_eos=True,
+                                extra_args=extra)
+            prompt = TokensPrompt(prompt_token_ids=req["tokens"])
+            if req.get("salt"):
+                prompt["cache_salt"] = req["salt"]
+            t = time.perf_counter()
+            (res,) = llm.generate([prompt], sp, use_tqdm=False)
+            e2e = time.perf_counter() - t
+            m = res.metrics
+            ttft = getattr(m, "first_token_latency", None) if m is not None else None
+            results.append({"tokens": list(res.outputs[0].token_ids), "cached": res.num_cached_tokens,
+                            "ttft": ttft, "e2e": e2e})
+        out["rounds"].append(results)
+    metrics = {}
+    try:
+        for metric in llm.get_metrics():
+            if "agentstate" in metric.name or "external_prefix_cache" in metric.name or "prefix_cache" in metric.name:
+                value = getattr(metric, "value", None)
+                if value is not None:
+                    metrics[metric.name] = metrics.get(metric.name, 0) + value
+    except Exception as exc:  # noqa: BLE001
+        metrics["error"] = repr(exc)
+    out["metrics"] = metrics
+    llm.llm_engine.engine_core.shutdown()
+    return out
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    if job.get("make_model"):
+        make_model(job["model"])
+    result = run(job)
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
