@@ -50,9 +50,9 @@ def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs = dict(model=job["model"], dtype="float32", enforce_eager=True, enable_prefix_caching=True,
-                  max_model_len=job.get("max_model_len", 8192), seed=0, disable_log_stats=False,
-                  enable_chunked_prefill=bool(job.get("chunked_prefill", False)))
+    kwargs: dict = {"model": job["model"], "dtype": "float32", "enforce_eager": True, "enable_prefix_caching": True,
+                    "max_model_len": job.get("max_model_len", 8192), "seed": 0, "disable_log_stats": False,
+                    "enable_chunked_prefill": bool(job.get("chunked_prefill", False))}
     if job.get("chunked_prefill"):
         kwargs["max_num_batched_tokens"] = job.get("max_num_batched_tokens", 256)
     else:
@@ -68,9 +68,16 @@ def run(job: dict) -> dict:
     out = {"startup_s": time.perf_counter() - t0, "rounds": []}
     for i, requests in enumerate(job["rounds"]):
         if i and job.get("reset_between_rounds", True):
-            llm.reset_prefix_cache()
+            # blocks of a finished session request stay held until its snapshot is written: retry
+            deadline = time.monotonic() + 60
+            while not llm.reset_prefix_cache() and time.monotonic() < deadline:
+                time.sleep(0.05)
         results = []
         for req in requests:
+            if req.get("continue"):  # the prompt and output of an earlier request, then `extra` tokens
+                r, k = req["continue"]
+                prev = out["rounds"][r][k]
+                req = {**req, "tokens": prev["prompt"] + prev["tokens"] + req.get("extra", [])}
             extra = {"kv_transfer_params": req["params"]} if req.get("params") else None
             sp = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), ignore_eos=True,
                                 extra_args=extra)
@@ -82,7 +89,8 @@ def run(job: dict) -> dict:
             e2e = time.perf_counter() - t
             m = res.metrics
             ttft = getattr(m, "first_token_latency", None) if m is not None else None
-            results.append({"tokens": list(res.outputs[0].token_ids), "cached": res.num_cached_tokens,
+            results.append({"prompt": req["tokens"], "tokens": list(res.outputs[0].token_ids),
+                            "cached": res.num_cached_tokens,
                             "ttft": ttft, "e2e": e2e})
         out["rounds"].append(results)
     metrics = {}

@@ -1,0 +1,267 @@
+"""The vLLM connector on a real vLLM engine (CPU, tiny random-weight Llama, float32).
+
+Each engine runs in its own process (tests/vllm_engine.py, ~30 s each); one request per `generate`
+call and `reset_prefix_cache()` between rounds, so only the connector can supply hits and the
+greedy tokens are deterministic. Engine runs, shared by the tests below:
+
+- base: no connector, the reference tokens of every prompt;
+- conn: round 0 stores P1, P2 and session turn 1; round 1 hits P1 and P2 and turn 2 hits all of
+  the session;
+- then, on the same directory, the library checks (session listed, resumed, continued in
+  transformers; vLLM's stored KV against transformers'), a prefix stored through transformers,
+  and bytes of one stored chunk damaged;
+- again: a new engine process with chunked prefill on the same directory: old hits, the
+  transformers prefix hit, the damaged chunk recomputed, new prompts stored and hit;
+- redis: two engine processes with their own directories sharing one Redis tier and catalog.
+
+Runs under the venv that has vLLM (.ci/run makes .venv-vllm); CI fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.requires import require_module
+
+vllm = require_module("vllm", "pip install -c constraints.txt -r requirements-vllm.txt (a venv of its own: .ci/run)")
+transformers = require_module("transformers")
+
+from agentstate import ModelSpec, StateStore  # noqa: E402
+from agentstate.adapters import transformers as hf  # noqa: E402
+from agentstate.adapters.vllm_blocks import BlockLayout, BlocksTarget, gather, layout_for  # noqa: E402
+from agentstate.keys import chunk_keys, namespace_for  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = ROOT / "tests" / "vllm_engine.py"
+sys.path.insert(0, str(ROOT / "tests"))
+from vllm_engine import make_model  # noqa: E402
+
+
+def toks(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+P1, P2, P3, P4, S1 = toks(700, 1), toks(1100, 2), toks(900, 3), toks(600, 4), toks(300, 5)
+EXTRA = toks(40, 6)
+SESSION = {"agentstate": {"session_id": "agent-1", "state": {"turn": 1}}}
+SESSION2 = {"agentstate": {"session_id": "agent-1", "state": {"turn": 2}}}
+MAX = 8
+
+
+def req(tokens: list[int] | None = None, **kw: Any) -> dict[str, Any]:
+    return {"tokens": tokens or [], "max_tokens": MAX, **kw}
+
+
+def run_engine(tmp: Path, name: str, job: dict[str, Any], timeout: float = 400) -> dict[str, Any]:
+    work = tmp / name
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "tmp").mkdir(exist_ok=True)
+    (work / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "TMPDIR": str(work / "tmp"), "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"), "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ENGINE), str(work / "job.json"), str(work / "out.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    (work / "log.txt").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not (work / "out.json").exists():
+        raise AssertionError(f"engine {name} failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return json.loads((work / "out.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def model(tmp: Path) -> str:
+    return make_model(str(tmp / "model"))
+
+
+@pytest.fixture(scope="module")
+def base(tmp: Path, model: str) -> dict[str, Any]:
+    s2 = {"continue": [2, 0], "extra": EXTRA, "max_tokens": MAX}
+    rounds = [[req(P1)], [req(P2)], [req(S1)], [s2], [req(P3)], [req(P4)]]
+    out = run_engine(tmp, "base", {"model": model, "connector": None, "rounds": rounds})
+    names = ["P1", "P2", "S1", "S2", "P3", "P4"]
+    return {n: r[0] for n, r in zip(names, out["rounds"])}
+
+
+@pytest.fixture(scope="module")
+def data(tmp: Path) -> Path:
+    return tmp / "data"
+
+
+@pytest.fixture(scope="module")
+def conn(tmp: Path, model: str, data: Path) -> dict[str, Any]:
+    rounds = [
+        [req(P1), req(P2), req(S1, params=SESSION)],
+        [req(P1), req(P2), {"continue": [0, 2], "extra": EXTRA, "max_tokens": MAX, "params": SESSION2}],
+    ]
+    return run_engine(tmp, "conn", {"model": model, "connector": {"path": str(data)}, "rounds": rounds})
+
+
+def spec_of(data: Path) -> ModelSpec:
+    return ModelSpec.model_validate_json((data / "spec.json").read_text())
+
+
+# -- block layouts, no engine ------------------------------------------------------------------------
+
+
+def test_cpu_layout_round_trip() -> None:
+    """Canonical chunk -> CPU blocks -> canonical, bit-exact, and K really lies transposed in a block."""
+    bs, h, d, layers = 32, 2, 16, 3
+    lay = layout_for("CPU_ATTN", "vec", block_size=bs, heads=h, dim=d)
+    caches = [torch.zeros(6, h, bs, 2 * d) for _ in range(layers)]
+    planes = [lay.planes(c) for c in caches]
+    src = torch.randn(layers, 2, 3 * bs, h, d)
+    blocks = [4, 1, 5]
+    target = BlocksTarget(planes, blocks, bs, first=0, num_tokens=3 * bs)
+    target.write(0, src)
+    assert torch.equal(gather(planes, blocks, bs, 0, 3 * bs, torch.empty_like(src)), src)
+    # token t of block 1's first position, head 0, dim 3: K at [d=3, t], V at [t, d=3]
+    flat = caches[0][4, 0].reshape(-1)
+    assert flat[3 * bs + 0] == src[0, 0, 0, 0, 3] and flat[bs * d + 0 * d + 3] == src[0, 1, 0, 0, 3]
+    # tokens before `first` are left alone
+    for c in caches:
+        c.zero_()
+    BlocksTarget(planes, blocks, bs, first=bs + 5, num_tokens=3 * bs).write(0, src)
+    out = gather(planes, blocks, bs, 0, 3 * bs, torch.empty_like(src))
+    assert not out[:, :, : bs + 5].any() and torch.equal(out[:, :, bs + 5 :], src[:, :, bs + 5 :])
+
+
+@pytest.mark.gpu
+def test_flash_layouts_round_trip() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    bs, h, d = 16, 4, 64
+    for variant, shape in (("NHD", (2, 8, bs, h, d)), ("HND", (2, 8, h, bs, d))):
+        lay: BlockLayout = layout_for("FLASH_ATTN", variant, block_size=bs, heads=h, dim=d)
+        caches = [torch.zeros(shape, device="cuda") for _ in range(2)]
+        planes = [lay.planes(c) for c in caches]
+        src = torch.randn(2, 2, 2 * bs, h, d, device="cuda")
+        BlocksTarget(planes, [3, 6], bs, 0, 2 * bs).write(0, src)
+        torch.cuda.synchronize()
+        assert torch.equal(gather(planes, [3, 6], bs, 0, 2 * bs, torch.empty_like(src)), src)
+
+
+# -- the real engine ---------------------------------------------------------------------------------
+
+
+def test_round0_stores_round1_hits(base: dict[str, Any], conn: dict[str, Any]) -> None:
+    r0, r1 = conn["rounds"]
+    assert [r["cached"] for r in r0] == [0, 0, 0]
+    assert r1[0]["cached"] == 512 and r1[1]["cached"] == 1024  # whole chunks, one prompt token left
+    assert r0[0]["tokens"] == base["P1"]["tokens"] and r1[0]["tokens"] == base["P1"]["tokens"]
+    assert r0[1]["tokens"] == base["P2"]["tokens"] and r1[1]["tokens"] == base["P2"]["tokens"]
+    m = conn["metrics"]
+    assert m["vllm:external_prefix_cache_hits"] >= 512 + 1024
+    assert m["vllm:agentstate_loaded_tokens"] >= 512 + 1024 and m["vllm:agentstate_stored_tokens"] >= 512 + 1024
+    assert m["vllm:agentstate_load_error_blocks"] == 0 and m["vllm:agentstate_errors"] == 0
+
+
+def test_session_turn2_hits_everything(base: dict[str, Any], conn: dict[str, Any]) -> None:
+    s1, s2 = conn["rounds"][0][2], conn["rounds"][1][2]
+    assert s1["tokens"] == base["S1"]["tokens"] and s2["tokens"] == base["S2"]["tokens"]
+    stored = len(S1) + MAX - 1  # prompt and generated tokens with KV (the last sampled one has none yet)
+    assert s2["cached"] == stored  # the tail too, not just whole chunks
+    assert conn["metrics"]["vllm:agentstate_sessions_saved"] >= 1  # turn 2 may land after the metrics were read
+
+
+@pytest.fixture(scope="module")
+def library(conn: dict[str, Any], data: Path, model: str) -> bool:
+    """The session in the CLI and the library; vLLM's KV against transformers'; resume continues in
+    transformers token-identical to its own prefill. Then prepares the next engine run: a prefix
+    stored through transformers, and damaged bytes."""
+    spec = spec_of(data)
+    lm = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    assert hf.spec_for(lm, model_id=model) == spec  # equal tokens give equal keys in both engines
+    ls = subprocess.run([sys.executable, "-m", "agentstate", "ls", "--path", str(data), "--json"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert ls.returncode == 0, ls.stderr
+    assert "agent-1" in ls.stdout
+    s2 = conn["rounds"][1][2]
+    turn2 = s2["prompt"] + s2["tokens"][:-1]
+
+    async def check() -> None:
+        async with StateStore.open(data, spec) as store:
+            manifest = await store.session("agent-1")
+            assert manifest.version == 2 and manifest.tokens == turn2 and manifest.state == {"turn": 2}
+            res = await store.resume("agent-1")
+            assert res.restored_tokens == len(turn2)
+            again = await store.resume("agent-1")
+            assert torch.equal(res.kv.view(torch.uint8), again.kv.view(torch.uint8))  # type: ignore[union-attr]
+            with torch.no_grad():
+                ref = lm(torch.tensor([turn2]), use_cache=True).past_key_values
+            ref_kv = hf.cache_to_kv(ref, spec)
+            assert torch.allclose(res.kv, ref_kv, atol=1e-4, rtol=1e-4)  # type: ignore[arg-type]
+            # resume in transformers and continue: identical to transformers' own prefill
+            resumed = await hf.resume(store, "agent-1", lm)
+            full = torch.tensor([turn2 + [s2["tokens"][-1]]])
+            with torch.no_grad():
+                a = lm.generate(full, past_key_values=resumed.cache, max_new_tokens=6, do_sample=False)
+                b = lm.generate(full, max_new_tokens=6, do_sample=False)
+            assert a[0, -6:].tolist() == b[0, -6:].tolist()
+            # a prefix stored through transformers, for the next engine run
+            with torch.no_grad():
+                cache = lm(torch.tensor([P4[:512]]), use_cache=True).past_key_values
+            assert await hf.put_prefix(store, P4[:512], cache) == 512
+            # damage one stored chunk of P2 (the third): the next engine run must detect it
+            key = chunk_keys(P2[:1024], namespace=namespace_for("default"), fingerprint=spec.fingerprint,
+                             chunk_tokens=256)[2]  # fmt: skip
+            value = await store.chunks.read_value(key, 256)
+            assert value is not None
+            bad = bytearray(value)
+            bad[-7] ^= 0x5A
+            with store.chunks.pinned([key]):
+                await store.chunks.put_values([key], [bad], tiers=["lmdb"])
+
+    asyncio.run(check())
+    return True
+
+
+def test_library_sees_what_vllm_stored(library: bool) -> None:
+    assert library
+
+
+@pytest.fixture(scope="module")
+def again(tmp: Path, model: str, data: Path, library: bool) -> dict[str, Any]:
+    rounds = [[req(P1), req(P2), req(P4), req(P3)], [req(P3)]]
+    job = {"model": model, "connector": {"path": str(data)}, "rounds": rounds, "chunked_prefill": True}
+    return run_engine(tmp, "again", job)
+
+
+def test_new_engine_process_chunked_prefill(base: dict[str, Any], again: dict[str, Any]) -> None:
+    (p1, p2, p4, p3), (p3b,) = again["rounds"]
+    assert p1["cached"] == 512 and p1["tokens"] == base["P1"]["tokens"]
+    assert p4["cached"] == 512 and p4["tokens"] == base["P4"]["tokens"]  # stored by transformers
+    assert p3["cached"] == 0 and p3b["cached"] == 768
+    assert p3["tokens"] == base["P3"]["tokens"] and p3b["tokens"] == base["P3"]["tokens"]
+    # the damaged chunk: detected, its blocks recomputed, the tokens still equal
+    assert p2["tokens"] == base["P2"]["tokens"]
+    assert again["metrics"]["vllm:agentstate_load_error_blocks"] >= 2
+
+
+def test_two_engines_share_redis(tmp: Path, model: str, base: dict[str, Any], redis_server: Any) -> None:
+    url = redis_server.url
+    cfg = {"tiers": [{"kind": "host"}, {"kind": "redis", "url": url, "prefix": "vllmtest:"}], "catalog_url": url,
+           "catalog_prefix": "vllmtest:"}  # fmt: skip
+    first = run_engine(tmp, "redis1", {"model": model, "connector": {"path": str(tmp / "e1"), **cfg},
+                                       "rounds": [[req(P1)]]})  # fmt: skip
+    second = run_engine(tmp, "redis2", {"model": model, "connector": {"path": str(tmp / "e2"), **cfg},
+                                        "rounds": [[req(P1)]]})  # fmt: skip
+    assert first["rounds"][0][0]["cached"] == 0
+    assert second["rounds"][0][0]["cached"] == 512
+    assert second["rounds"][0][0]["tokens"] == base["P1"]["tokens"]
