@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from agentstate.backends.base import BackendStats
 from agentstate.config import StoreConfig
-from agentstate.errors import AgentStateError
+from agentstate.errors import AgentStateError, InvalidArgumentError
 from agentstate.keys import token_array
 from agentstate.manifest import MatchResult
 from agentstate.chunks import PrefetchHandle, PrefetchPolicy, deadline_for
@@ -111,7 +111,7 @@ class StateStore(SessionOps):
             return 0
         last = max(chunks)
         if min(chunks) < 0 or last >= len(keys):
-            raise AgentStateError(f"chunk indices {sorted(chunks)} outside the {len(keys)} full chunks of tokens")
+            raise InvalidArgumentError(f"chunk indices {sorted(chunks)} outside the {len(keys)} full chunks of tokens")
         for kv in chunks.values():
             self.spec.check_kv(kv, self.chunk_tokens)
         order = sorted(chunks)
