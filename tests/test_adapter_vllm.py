@@ -225,8 +225,7 @@ def library(conn: dict[str, Any], data: Path, model: str) -> bool:
             assert value is not None
             bad = bytearray(value)
             bad[-7] ^= 0x5A
-            with store.chunks.pinned([key]):
-                await store.chunks.put_values([key], [bad], tiers=["lmdb"])
+            await store.chunks.backend("lmdb").put([key], [bad])  # under the store: as a disk would damage it
 
     asyncio.run(check())
     return True
