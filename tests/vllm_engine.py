@@ -67,7 +67,8 @@ def run(job: dict) -> dict:
     llm = LLM(**kwargs)
     out = {"startup_s": time.perf_counter() - t0, "rounds": []}
     for i, requests in enumerate(job["rounds"]):
-        if i and job.get("reset_between_rounds", True):
+        resets = job.get("reset", [])
+        if i and (resets[i] if i < len(resets) else job.get("reset_between_rounds", True)):
             # blocks of a finished session request stay held until its snapshot is written: retry
             deadline = time.monotonic() + 60
             while not llm.reset_prefix_cache() and time.monotonic() < deadline:

@@ -1,0 +1,169 @@
+"""vLLM connector benchmark (not a test): `.venv-vllm/bin/python benchmarks/bench_vllm.py [--quick]`.
+
+Part 1, the engine (tiny random-weight Llama, float32, CPU): agents return with 1k-8k tokens of
+context. Round 0 computes and stores each context; round 1 (after `reset_prefix_cache()`) sends it
+again plus 64 new tokens. Returning-turn TTFT (one output token, so end-to-end = TTFT) with
+agentstate, with vLLM's in-tree `ExampleConnector`, recomputing (no connector), and a local
+prefix-cache hit (round 2, no reset).
+
+Part 2, per block, in this process (Llama-8B KV shape per rank, bf16, 128-token blocks in the CPU
+layout): agentstate's store (copy out of the blocks + put) and load (read into the blocks), the
+same bytes through safetensors files per layer (what ExampleConnector does), and a plain memcpy of
+the same bytes measured in the same run.
+
+Appends a section to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def toks(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def engine(tmp: Path, name: str, job: dict) -> dict:
+    work = tmp / name
+    (work / "tmp").mkdir(parents=True, exist_ok=True)
+    (work / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "TMPDIR": str(work / "tmp"), "VLLM_CACHE_ROOT": str(tmp / "cache"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp / "ind"), "VLLM_CPU_KVCACHE_SPACE": "2"}  # fmt: skip
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), str(work / "job.json"),
+                           str(work / "out.json")], cwd=ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+    if proc.returncode:
+        raise SystemExit(f"engine {name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads((work / "out.json").read_text())
+
+
+def part1(tmp: Path, sizes: list[int], agents: int) -> list[str]:
+    from vllm_engine import make_model
+
+    model = make_model(str(tmp / "model"))
+    ctx = {(n, a): toks(n, 100 * n + a) for n in sizes for a in range(agents)}
+    new = toks(64, 7)
+    first = [{"tokens": ctx[k], "max_tokens": 1} for k in ctx]
+    back = [{"tokens": ctx[k] + new, "max_tokens": 1} for k in ctx]
+    jobs = {
+        "recompute": {"model": model, "connector": None, "rounds": [first, back]},
+        "agentstate": {"model": model, "connector": {"path": str(tmp / "as")}, "rounds": [first, back, back],
+                       "reset": [False, True, False]},
+        "ExampleConnector": {"model": model, "connector": {"shared_storage_path": str(tmp / "ex")},
+                             "connector_class": "ExampleConnector", "rounds": [first, back]},
+    }  # fmt: skip
+    res = {name: engine(tmp, name, job) for name, job in jobs.items()}
+    keys = list(ctx)
+    rows = ["| context | recompute | agentstate | ExampleConnector | local prefix hit | agentstate / local |",
+            "|---|---|---|---|---|---|"]  # fmt: skip
+    for n in sizes:
+        idx = [i for i, k in enumerate(keys) if k[0] == n]
+
+        def ms(name: str, rnd: int) -> float:
+            return 1000 * statistics.median(res[name]["rounds"][rnd][i]["e2e"] for i in idx)
+
+        rec, ag, ex, local = ms("recompute", 1), ms("agentstate", 1), ms("ExampleConnector", 1), ms("agentstate", 2)
+        rows.append(f"| {n} | {rec:.1f} ms | {ag:.1f} ms | {ex:.1f} ms | {local:.1f} ms | {ag / local:.2f}x |")
+    hits = [r["cached"] for r in res["agentstate"]["rounds"][1]]
+    rows.append("")
+    rows.append(f"agentstate returning-turn hits (tokens): {hits}")
+    return rows
+
+
+def part2(tmp: Path, blocks: int) -> list[str]:
+    from safetensors.torch import load_file, save_file
+
+    from agentstate import ModelSpec, StateStore
+    from agentstate.adapters.vllm_blocks import BlocksTarget, gather, layout_for
+
+    layers, heads, dim, bs = 32, 8, 128, 128
+    spec = ModelSpec(model_id="bench/llama-8b-shape", num_layers=layers, num_kv_heads=heads, head_dim=dim,
+                     dtype="bfloat16")  # fmt: skip
+    lay = layout_for("CPU_ATTN", "vec", block_size=bs, heads=heads, dim=dim)
+    caches = [torch.randn(blocks * 2, heads, bs, 2 * dim).to(torch.bfloat16) for _ in range(layers)]
+    planes = [lay.planes(c) for c in caches]
+    block_bytes = spec.token_bytes * bs
+    tokens = toks(blocks * bs, 3)
+    ids = list(range(blocks))
+
+    async def run() -> dict[str, float]:
+        out: dict[str, float] = {}
+        async with StateStore.open(tmp / "p2", spec, chunk_tokens=bs, host_capacity_bytes=0,
+                                   lmdb_map_size=4 << 30) as store:  # fmt: skip
+            t = time.perf_counter()
+            chunks = {j: gather(planes, ids, bs, j * bs, bs, spec.empty_kv(bs)) for j in range(blocks)}
+            await store.put_chunks(tokens, chunks)
+            out["store"] = (time.perf_counter() - t) / blocks
+        async with StateStore.open(tmp / "p2", spec, chunk_tokens=bs, host_capacity_bytes=0,
+                                   lmdb_map_size=4 << 30) as store:  # fmt: skip
+            target = BlocksTarget(planes, [blocks + j for j in range(blocks)], bs, 0, blocks * bs)
+            t = time.perf_counter()
+            n = await store.load(tokens, target)
+            out["load"] = (time.perf_counter() - t) / blocks
+            assert n == blocks * bs
+        return out
+
+    got = asyncio.run(run())
+    # ExampleConnector's path: one safetensors file per layer per request, read back per layer
+    t = time.perf_counter()
+    for j in range(blocks):
+        for layer in range(layers):
+            save_file({"kv": caches[layer][j].contiguous()}, str(tmp / f"ex-{j}-{layer}.safetensors"))
+    ex_store = (time.perf_counter() - t) / blocks
+    t = time.perf_counter()
+    for j in range(blocks):
+        for layer in range(layers):
+            caches[layer][blocks + j].copy_(load_file(str(tmp / f"ex-{j}-{layer}.safetensors"))["kv"])
+    ex_load = (time.perf_counter() - t) / blocks
+    src = torch.empty(block_bytes * blocks, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    t = time.perf_counter()
+    dst.copy_(src)
+    memcpy = (time.perf_counter() - t) / blocks
+    gbs = lambda s: block_bytes / s / 1e9  # noqa: E731
+    return [
+        f"Block: {bs} tokens x 32 layers x 8 KV heads x 128 dim, bf16 = {block_bytes / 2**20:.0f} MiB; {blocks} blocks.",
+        "",
+        "| per block | agentstate | ExampleConnector (safetensors per layer) | memcpy |",
+        "|---|---|---|---|",
+        f"| store | {1000 * got['store']:.1f} ms ({gbs(got['store']):.2f} GB/s) | {1000 * ex_store:.1f} ms "
+        f"({gbs(ex_store):.2f} GB/s) | {1000 * memcpy:.1f} ms ({gbs(memcpy):.2f} GB/s) |",
+        f"| load into the blocks | {1000 * got['load']:.1f} ms ({gbs(got['load']):.2f} GB/s) | {1000 * ex_load:.1f} ms "
+        f"({gbs(ex_load):.2f} GB/s) | |",
+    ]
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    sizes = [1024, 2048] if quick else [1024, 2048, 4096, 8192]
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        rows1 = part1(tmp, sizes, 2 if quick else 3)
+        rows2 = part2(tmp, 4 if quick else 16)
+    text = "\n".join([
+        "", "## vLLM connector (benchmarks/bench_vllm.py)", "",
+        f"CPU engine, vllm-cpu 0.32.0, tiny random-weight Llama (2 layers), float32, {os.cpu_count()} cores. "
+        "Returning turn: the stored context plus 64 new tokens, one output token (median end-to-end = TTFT).", "",
+        *rows1, "", *rows2, "",
+    ])  # fmt: skip
+    print(text)
+    with open(ROOT / "docs" / "benchmarks.md", "a") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
