@@ -263,10 +263,18 @@ def verify(
             out.print(f"[red]corrupt[/red] {b.tier} {b.key}: {b.problem}", highlight=False)
         for a in r.affected:
             out.print(f"session {a.tenant}/{a.session_id}: {a.restorable_tokens} of {a.tokens} tokens restorable")
+        if r.catalog_lost:
+            found = "no catalog was found (an empty one was made)" if r.catalog_created else "the catalog names none"
+            out.print(
+                f"[red]catalog lost[/red]: the record tier holds {len(r.orphans)} chunks and tails, but {found}:"
+                " restore the catalog before anything else (gc would delete them all)", highlight=False,
+            )  # fmt: skip
+        elif r.orphans:
+            out.print(f"{len(r.orphans)} chunks and tails no session or prefix names (gc removes them)")
         out.print("[green]clean[/green]" if r.clean else ("repaired" if r.repaired else "[red]damaged[/red]"))
 
     _emit(r, json, render)
-    if not r.clean and not r.repaired:
+    if r.catalog_lost or (not r.clean and not r.repaired):
         raise typer.Exit(1)
 
 

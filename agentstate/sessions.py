@@ -266,7 +266,7 @@ class SessionOps(StoreBase):
                     await self.delete(manifest.session_id)
                     removed += 1
         if self.catalog.shared:
-            live = await self.catalog.prefix_keys()  # type: ignore[union-attr]
+            live = await self.catalog.prefix_keys()
             for manifest in await self.catalog.manifests(None):
                 live.update(manifest.chunk_keys)
                 if manifest.tail_key:

@@ -11,12 +11,11 @@ import copy
 import logging
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from typing_extensions import Self
 
-from agentstate.catalog import Catalog
+from agentstate.catalog import Catalog, LMDBCatalog
 from agentstate.chunks import ChunkStore
 from agentstate.config import StoreConfig
 from agentstate.errors import KVShapeError
@@ -24,9 +23,6 @@ from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, ChunkKey, chunk_keys, nam
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget, TensorTarget
 from agentstate.chunks import Span
-
-if TYPE_CHECKING:
-    from agentstate.redis_catalog import RedisCatalog
 
 log = logging.getLogger("agentstate.store")
 
@@ -43,7 +39,7 @@ class StoreBase:
         self.chunk_tokens = config.chunk_tokens
         self.chunks = ChunkStore(config, spec, shared_catalog=config.catalog_url is not None, read_only=read_only)
         try:
-            self.catalog: Catalog | RedisCatalog = self._build_catalog()
+            self.catalog: Catalog = self._build_catalog()
         except BaseException:
             self.chunks.release_lock()  # the tiers' files close when collected; the lock must go now
             raise
@@ -61,10 +57,10 @@ class StoreBase:
         view._owner = False
         return view
 
-    def _build_catalog(self) -> Catalog | RedisCatalog:
+    def _build_catalog(self) -> Catalog:
         if self.config.catalog_url is None:
-            return Catalog(Path(self.config.path) / "catalog")
-        from agentstate.redis_catalog import RedisCatalog
+            return LMDBCatalog(Path(self.config.path) / "catalog")
+        from agentstate.catalog.redis import RedisCatalog
 
         return RedisCatalog(
             self.config.catalog_url, cluster=self.config.catalog_cluster, prefix=self.config.catalog_prefix

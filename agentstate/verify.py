@@ -51,6 +51,14 @@ class VerifyReport(BaseModel):
     corrupt: list[BadChunk]
     missing: list[str]
     affected: list[AffectedSession]
+    orphans: list[str] = []
+    """record-tier chunks and tails no manifest and no shared prefix names (a crash between a
+    commit and its deletes leaves a few; gc sweeps them)"""
+    catalog_lost: bool = False
+    """the record tier holds chunks but the catalog names none of them: the catalog is missing,
+    empty or another directory's. Not clean: gc would delete every chunk, so restore it first"""
+    catalog_created: bool = False
+    """this open found no catalog and made an empty one"""
 
 
 async def verify(store: StateStore, *, repair: bool = False, progress: Progress = QUIET) -> VerifyReport:
@@ -60,10 +68,11 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
     `repair=True` deletes corrupt copies, so reads see misses, and writes a good copy found in
     another tier back into the record tier, so no durable copy stays lost; what no tier holds
     intact, the next snapshot of its session rewrites. Sessions of every tenant are checked, since
-    tenants share the tiers.
+    tenants share the tiers. What the record tier holds and nothing names is reported as orphans;
+    when that is all of it (the catalog is missing or empty), the report is not clean.
     """
-    manifests = [m for m in await store.catalog.manifests(None) if m.fingerprint == store.fingerprint]
-    manifests = [m for m in manifests if not m.expired()]
+    every = [m for m in await store.catalog.manifests(None) if m.fingerprint == store.fingerprint]
+    manifests = [m for m in every if not m.expired()]
     expected: dict[str, int] = {}
     for m in manifests:
         expected.update(dict.fromkeys(m.chunk_keys, m.chunk_tokens))
@@ -74,6 +83,7 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
     corrupt: list[BadChunk] = []
     missing: list[str] = []
     record_lacks: list[str] = []
+    record_held: list[str] = []
     for tier in store.chunks.tier_names:
         prefixes = (f"{CHUNK_PREFIX}{store.fingerprint}/", f"{TAIL_PREFIX}{store.fingerprint}/")
         listed = [k for p in prefixes for k in await store.chunks.scan(tier, p)]
@@ -82,6 +92,7 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
         bad = [BadChunk(tier=tier, key=k, problem=s) for k, s in status.items() if s not in ("ok", "missing")]
         gone = [k for k, s in status.items() if s == "missing"]
         if tier == store.chunks.record_tier:
+            record_held = listed
             held = set(listed)
             gone += [k for k in expected if k not in held]
             record_lacks = [k for k in gone if k in expected]
@@ -97,6 +108,8 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
         )  # fmt: skip
         checks.append(check)
     restored = await _restore_record(store, record_lacks, checks) if repair else set()
+    orphans = await _orphans(store, record_held, {k for m in every for k in session_keys(m)})
+    catalog_lost = bool(record_held) and len(orphans) == len(set(record_held))
     missing = [k for k in missing if k not in restored]
     affected = []
     for m in manifests:
@@ -110,9 +123,18 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
             )  # fmt: skip
             affected.append(hit)
     return VerifyReport(
-        clean=not corrupt and not missing, repaired=repair and bool(corrupt or restored), tiers=checks, corrupt=corrupt,
-        missing=sorted(set(missing)), affected=sorted(affected, key=lambda a: (a.tenant, a.session_id)),
+        clean=not corrupt and not missing and not catalog_lost, repaired=repair and bool(corrupt or restored),
+        tiers=checks, corrupt=corrupt, missing=sorted(set(missing)),
+        affected=sorted(affected, key=lambda a: (a.tenant, a.session_id)), orphans=orphans, catalog_lost=catalog_lost, catalog_created=getattr(store.catalog, "created", False),
     )  # fmt: skip
+
+
+async def _orphans(store: StateStore, held: list[str], named: set[str]) -> list[str]:
+    """What the record tier holds that no manifest (expired ones included) names and nothing
+    counts (a shared prefix's chunks are counted, not named)."""
+    unnamed = sorted(set(held) - named)
+    counts = await store.catalog.refcounts(unnamed) if unnamed else []
+    return [k for k, n in zip(unnamed, counts) if n == 0]
 
 
 async def _check_tier(

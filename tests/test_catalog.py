@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from agentstate.catalog import Catalog
+from agentstate.catalog import LMDBCatalog
 from agentstate.errors import ConflictError, CorruptDataError
 from agentstate.manifest import SessionManifest
 
@@ -17,7 +17,7 @@ def manifest(sid: str, version: int, keys: list[str], tokens: int = 10) -> Sessi
 
 
 async def test_commit_counts_references_and_checks_versions(tmp_path: Path) -> None:
-    cat = Catalog(tmp_path / "cat")
+    cat = LMDBCatalog(tmp_path / "cat")
     assert await cat.commit(manifest("a", 1, ["k1", "k2"]), None) == ([], None)
     assert await cat.commit(manifest("b", 1, ["k1"]), None) == ([], None)
     assert await cat.refcounts(["k1", "k2", "k3"]) == [2, 1, 0]
@@ -36,7 +36,7 @@ async def test_commit_counts_references_and_checks_versions(tmp_path: Path) -> N
 
 
 async def test_map_grows_for_many_large_manifests(tmp_path: Path) -> None:
-    cat = Catalog(tmp_path / "cat", map_size=256 << 10)
+    cat = LMDBCatalog(tmp_path / "cat", map_size=256 << 10)
     for i in range(40):
         await cat.commit(manifest(f"s{i}", 1, [f"k{i}"], tokens=20_000), None)
     assert await cat.session_count() == 40
@@ -48,7 +48,7 @@ async def test_damaged_manifests_are_typed_errors_and_others_stay_readable(tmp_p
     """A flipped digit still parses as JSON: only the stored checksum tells it from the truth."""
     import lmdb
 
-    cat = Catalog(tmp_path / "cat")
+    cat = LMDBCatalog(tmp_path / "cat")
     await cat.commit(manifest("a", 1, [], tokens=12), None)
     await cat.commit(manifest("b", 1, []), None)
     await cat.close()
@@ -69,7 +69,7 @@ async def test_damaged_manifests_are_typed_errors_and_others_stay_readable(tmp_p
             db = env.open_db(b"sessions")
             with env.begin(write=True, db=db) as txn:
                 txn.put(b"t/a", raw)
-        cat = Catalog(tmp_path / "cat")
+        cat = LMDBCatalog(tmp_path / "cat")
         with pytest.raises(CorruptDataError):
             await cat.get("t", "a")
         assert (await cat.get("t", "b")).tokens == list(range(10)), what
@@ -78,7 +78,7 @@ async def test_damaged_manifests_are_typed_errors_and_others_stay_readable(tmp_p
         db = env.open_db(b"sessions")
         with env.begin(write=True, db=db) as txn:
             txn.put(b"t/a", b'{"session_id": 5}')
-    cat = Catalog(tmp_path / "cat")
+    cat = LMDBCatalog(tmp_path / "cat")
     with pytest.raises(CorruptDataError):
         await cat.get("t", "a")
     await cat.close()

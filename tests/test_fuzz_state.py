@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from agentstate import StateStore
-from agentstate.catalog import Catalog
+from agentstate.catalog import LMDBCatalog
 from agentstate.errors import InvalidArgumentError, SessionNotFoundError
 from agentstate.keys import _ID_RE, chain_root, chunk_keys, namespace_for, tail_key
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
@@ -61,8 +61,8 @@ def test_distinct_ids_never_share_a_key(ids: list[str], tokens: list[int]) -> No
     assert set(keys_a).isdisjoint(chunk_keys(tokens, namespace=ns_b, fingerprint=FP, chunk_tokens=16))
     pairs = [(a, a), (a, b), (b, a), (b, b)]  # (tenant, session)
     assert len({tail_key(FP, t, s, 1, "w") for t, s in pairs}) == 4
-    assert len({Catalog._skey(t, s) for t, s in pairs}) == 4
-    assert not any(Catalog._skey(t, s).startswith(f"{u}/".encode()) for t, s in pairs for u in {a, b} - {t})
+    assert len({LMDBCatalog._skey(t, s) for t, s in pairs}) == 4
+    assert not any(LMDBCatalog._skey(t, s).startswith(f"{u}/".encode()) for t, s in pairs for u in {a, b} - {t})
 
 
 def _nested(depth: int) -> Any:

@@ -100,7 +100,9 @@ def store_config(path: Path, tenant: str | None = None) -> StoreConfig:
 
 
 def is_store(config: StoreConfig) -> bool:
-    return (Path(config.path) / "catalog").is_dir() or config.catalog_url is not None
+    """A data directory has a catalog or a recorded spec (a lost catalog must not hide its chunks)."""
+    root = Path(config.path)
+    return (root / "catalog").is_dir() or (root / SPEC_FILE).is_file() or config.catalog_url is not None
 
 
 @contextlib.asynccontextmanager

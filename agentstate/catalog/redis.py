@@ -21,7 +21,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from agentstate.catalog import Committed
+from agentstate.catalog.base import Catalog, Committed
 from agentstate.errors import BackendError, ConflictError
 from agentstate.manifest import SessionManifest, decode_manifest, encode_manifest
 
@@ -42,8 +42,8 @@ return body
 """
 
 
-class RedisCatalog:
-    """The Catalog interface (see agentstate.catalog.Catalog) over a Redis server or cluster."""
+class RedisCatalog(Catalog):
+    """The Catalog interface over a Redis server or cluster."""
 
     shared = True
 

@@ -1,4 +1,4 @@
-"""The catalog: session manifests, shared-prefix records and chunk reference counts, in LMDB.
+"""The local catalog: session manifests, shared-prefix records and chunk reference counts, in LMDB.
 
 One synced LMDB transaction commits a manifest together with the reference-count changes it
 implies, so a crash leaves either the old session or the new one and counts that match it.
@@ -16,12 +16,13 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import lmdb
 
 from agentstate.backends.base import disk_full
 from agentstate.backends.lmdb_env import DATA_FILE, lmdb_error, open_env
+from agentstate.catalog.base import Catalog, Committed, named_keys
 from agentstate.errors import AgentStateError, BackendError, CapacityError, ConflictError
 from agentstate.manifest import SessionManifest, decode_manifest, encode_manifest
 
@@ -30,23 +31,9 @@ CATALOG_FORMAT = 2
 T = TypeVar("T")
 
 
-class Committed(NamedTuple):
-    zeroed: list[str]
-    """chunk and tail keys that lost their last reference (the caller collects them)"""
-    old_tail: str | None
-    """a shared catalog's replaced tail, which it does not count (the caller deletes it); the
-    local catalog counts tails like chunks and reports them in `zeroed`"""
-
-
-def _named(manifest: SessionManifest) -> list[str]:
-    """Every key a manifest keeps alive: its chunks and its tail. The tail is counted too, so gc
-    decides about tails by the same atomic count as chunks, never by a list read at another time."""
-    return [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
-
-
-class Catalog:
-    """The local catalog of one data directory (LMDB). `agentstate.redis_catalog.RedisCatalog` is
-    the same interface over a store every host shares."""
+class LMDBCatalog(Catalog):
+    """The local catalog of one data directory (LMDB). `RedisCatalog` is the same interface over a
+    store every host shares."""
 
     shared = False
 
@@ -173,8 +160,8 @@ class Catalog:
                     f"session {manifest.session_id!r} is at version {found}, expected {expected_version}"
                 )
             txn.put(key, body, db=self._sessions)
-            self._add_refs(txn, _named(manifest), +1)
-            zeroed = self._add_refs(txn, _named(old) if old else [], -1)
+            self._add_refs(txn, named_keys(manifest), +1)
+            zeroed = self._add_refs(txn, named_keys(old) if old else [], -1)
             return Committed(zeroed, None)
 
         return await self._write(run)
@@ -185,7 +172,7 @@ class Catalog:
             if raw is None:
                 return None, []
             old = self._parse(raw)
-            return old, self._add_refs(txn, _named(old), -1)
+            return old, self._add_refs(txn, named_keys(old), -1)
 
         return await self._write(run)
 
@@ -210,6 +197,13 @@ class Catalog:
             return [] if raw is None else self._add_refs(txn, bytes(raw).decode().split("\n"), -1)
 
         return await self._write(run)
+
+    async def prefix_keys(self) -> set[str]:
+        def run() -> set[str]:
+            with self._env.begin(db=self._prefixes) as txn:
+                return {k for _, raw in txn.cursor() for k in bytes(raw).decode().split("\n")}
+
+        return await self._run(run)
 
     # -- reference counts ----------------------------------------------------------------------
 

@@ -1,0 +1,80 @@
+"""The Catalog interface: session manifests, shared-prefix records and what keeps chunks alive.
+
+Two implementations: `LMDBCatalog` (one data directory; exact reference counts committed in the
+same transaction as the manifest) and `RedisCatalog` (shared by every host; no counts, gc marks
+and sweeps). Sessions (`StateStore`) talk to this interface only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from agentstate.manifest import SessionManifest
+
+
+class Committed(NamedTuple):
+    zeroed: list[str]
+    """chunk and tail keys that lost their last reference (the caller collects them)"""
+    old_tail: str | None
+    """a shared catalog's replaced tail, which it does not count (the caller deletes it); the
+    local catalog counts tails like chunks and reports them in `zeroed`"""
+
+
+def named_keys(manifest: SessionManifest) -> list[str]:
+    """Every key a manifest keeps alive: its chunks and its tail. The tail is counted too, so gc
+    decides about tails by the same atomic count as chunks, never by a list read at another time."""
+    return [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
+
+
+class Catalog(ABC):
+    """Where sessions and prefix records live. Every write is atomic; a commit is a compare-and-set
+    on the session's version."""
+
+    shared: bool = False
+    """True when every host reads and writes this catalog (gc then marks and sweeps)."""
+    created: bool = False
+    """True when this open found no catalog and made an empty one."""
+
+    @abstractmethod
+    async def get(self, tenant: str, session_id: str) -> SessionManifest | None: ...
+
+    @abstractmethod
+    async def manifests(self, tenant: str | None = None) -> list[SessionManifest]:
+        """Every manifest of `tenant` (None: of every tenant), expired ones included."""
+
+    async def version(self, tenant: str, session_id: str) -> int:
+        manifest = await self.get(tenant, session_id)
+        return manifest.version if manifest else 0
+
+    @abstractmethod
+    async def commit(self, manifest: SessionManifest, expected_version: int | None) -> Committed:
+        """Write `manifest` if the stored version is `expected_version` (None: must not exist),
+        else ConflictError."""
+
+    @abstractmethod
+    async def remove(self, tenant: str, session_id: str) -> tuple[SessionManifest | None, list[str]]:
+        """Remove a session; its manifest (None if absent) and the keys that lost their last reference."""
+
+    @abstractmethod
+    async def add_prefix(self, keys: Sequence[str]) -> bool:
+        """Record a shared prefix (named by its last key) so its chunks are kept; False if known."""
+
+    @abstractmethod
+    async def remove_prefix(self, last_key: str) -> list[str]: ...
+
+    @abstractmethod
+    async def prefix_keys(self) -> set[str]:
+        """Every chunk key some shared prefix names (gc's mark phase)."""
+
+    @abstractmethod
+    async def refcounts(self, keys: Sequence[str]) -> list[int]:
+        """How many manifests and prefixes reference each key (a shared catalog answers 1 for all:
+        it deletes nothing on the strength of a count)."""
+
+    @abstractmethod
+    async def session_count(self) -> int: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
