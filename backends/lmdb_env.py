@@ -3,15 +3,18 @@
 Shared by the LMDB tier (`agentstate.backends.lmdb`) and the catalog (`agentstate.catalog`).
 
 LMDB maps its data file and trusts it: touching a page the map names past the end of a truncated
-file is a SIGBUS, which no exception handler catches. So `open_env` checks the file before the
-engine sees it (an existing file shorter than its two meta pages, 0 bytes included, is damage:
-LMDB would quietly re-initialise a 0-byte file as a fresh, empty store) and again once it is open,
-before any page is read through the map: every page in use must lie inside the file.
+file is a SIGBUS, which no exception handler catches, and a garbage page sends LMDB (and py-lmdb,
+which prefaults every page of a value it returns) wherever its sizes and offsets point. So
+`open_env` checks the file before the engine sees it (an existing file shorter than its two meta
+pages, 0 bytes included, is damage: LMDB would quietly re-initialise a 0-byte file as a fresh,
+empty store) and again once it is open, before any page is read through the map: it walks every
+B-tree with plain reads (`os.pread`), and every page in use, every node and every value must lie
+inside the file and inside its page. That reads the branch and leaf pages (what listing the keys
+reads anyway), not the values.
 
-"In use" is not simply "below the last page number the meta page records": LMDB can commit with
-the last few page numbers allocated but free and never written, so a healthy file may be a little
-shorter than `(last_pgno + 1) * psize`. When it is, the pages past its end must all be listed in
-LMDB's free-page tree, which is read here with plain reads (`os.pread`), never through the map.
+"In use" is not "below the last page number the meta page records": LMDB can commit with its
+highest page numbers allocated but free and never written, so a healthy file may be shorter than
+`(last_pgno + 1) * psize`; only a page some tree reaches must be in the file.
 """
 
 from __future__ import annotations
@@ -39,11 +42,12 @@ _CORRUPT = tuple(
 )  # fmt: skip
 """LMDB errors that mean the file's bytes are wrong (not the disk, not the caller)."""
 
-# LMDB 0.9's on-disk layout (64-bit, host byte order), as far as the free-page tree needs it.
+# LMDB 0.9's on-disk layout (64-bit, host byte order), as far as the walk needs it.
 _MAGIC = 0xBEEFC0DE
 _HDR = 16  # page header: pgno u64, pad u16, flags u16, lower u16, upper u16
-_P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
-_F_BIGDATA = 0x01
+_P_BRANCH, _P_LEAF = 0x01, 0x02
+_P_IGNORED = 0x10 | 0x4000 | 0x8000  # P_DIRTY, P_LOOSE, P_KEEP: in-memory marks, harmless at rest
+_F_BIGDATA, _F_SUBDATA = 0x01, 0x02
 _NO_PAGE = (1 << 64) - 1
 _E = "<" if sys.byteorder == "little" else ">"
 _U16, _U32, _U64 = struct.Struct(_E + "H"), struct.Struct(_E + "I"), struct.Struct(_E + "Q")
@@ -102,74 +106,145 @@ def _header_psize(head: bytes) -> int | None:
 
 
 def _check_extent(env: lmdb.Environment, file: Path, what: str) -> None:
-    """After opening: no page LMDB may read lies past the end of the file."""
-    psize, last = env.stat()["psize"], env.info()["last_pgno"]  # the meta pages only
-    size = file.stat().st_size  # after the meta: a concurrent commit only makes the file longer
-    if size >= (last + 1) * psize:
-        return
-    short = range(-(-size // psize), last + 1)  # pages not (wholly) in the file
-    free = _free_pages(file, psize)
-    if free is None or not all(p in free for p in short):
-        raise CorruptDataError(
-            f"{what} file {file} is truncated: {size} bytes, but pages up to {last} "
-            f"({(last + 1) * psize} bytes) are in use"
-        )
+    """After opening: every page LMDB may read lies inside the file and inside its page."""
+    for _ in range(3):
+        try:
+            with env.begin() as txn:  # pins the snapshot: its pages are not reused while we read them
+                psize = env.stat()["psize"]
+                problem = _check_pages(file, psize, txn.id())
+        except lmdb.Error as exc:
+            raise lmdb_error(exc, f"cannot open {what} at {file.parent}") from exc
+        if problem is not _UNPINNED:
+            break
+    else:
+        return  # two commits by another process during each try: left to LMDB's own checks
+    if problem is not None:
+        raise CorruptDataError(f"{what} file {file} is damaged: {problem}")
 
 
-def _free_pages(file: Path, psize: int) -> set[int] | None:
-    """Every page number LMDB's free-page tree lists, read with plain reads; None when the tree
-    cannot be read whole (a page of it past the end of the file, or not a B-tree page)."""
+_UNPINNED = "the snapshot's meta page was overwritten"
+
+
+def _check_pages(file: Path, psize: int, txnid: int) -> str | None:
+    """Walk every B-tree of snapshot `txnid` of an LMDB 0.9 data file with plain reads (`os.pread`):
+    what makes a page unsafe to read through the map, or None. A page is unsafe when it lies past
+    the end of the file (truncation), or when its header or nodes point outside it (garbage): LMDB
+    and py-lmdb follow such sizes and offsets without checking them. Overflow values are checked
+    for their extent only, not read (the free-page lists excepted: LMDB writes to what they name).
+    """
     fd = os.open(file, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        metas = [os.pread(fd, _HDR + 136, n * psize) for n in (0, 1)]
-        if any(len(m) < _HDR + 136 or _U32.unpack_from(m, _HDR)[0] != _MAGIC for m in metas):
-            return None
-        meta = max(metas, key=lambda m: _U64.unpack_from(m, _HDR + 128)[0])  # mm_txnid: the newest
-        root = _U64.unpack_from(meta, _HDR + 24 + 40)[0]  # the free DB's md_root
-
-        def page(pgno: int, count: int = 1) -> bytes | None:
-            if (pgno + count) * psize > size:
-                return None
-            buf = os.pread(fd, count * psize, pgno * psize)
-            return buf if len(buf) == count * psize else None
-
-        free: set[int] = set()
-        todo = [] if root == _NO_PAGE else [root]
-        while todo:
-            buf = page(todo.pop())
-            if buf is None:
-                return None
-            flags, lower = _U16.unpack_from(buf, 10)[0], _U16.unpack_from(buf, 12)[0]
-            if not flags & (_P_BRANCH | _P_LEAF) or not _HDR <= lower <= psize:
-                return None
-            for i in range((lower - _HDR) // 2):
-                at = _U16.unpack_from(buf, _HDR + 2 * i)[0]
-                if at + 8 > psize:
-                    return None
-                lo, hi, nflags, ksize = (_U16.unpack_from(buf, at + 2 * j)[0] for j in range(4))
-                if flags & _P_BRANCH:
-                    todo.append(lo | hi << 16 | nflags << 32)
-                    continue
-                data, dsize = at + 8 + ksize, lo | hi << 16
-                if nflags & _F_BIGDATA:
-                    if data + 8 > psize:
-                        return None
-                    first = _U64.unpack_from(buf, data)[0]
-                    ids = page(first, (_HDR - 1 + dsize) // psize + 1)
-                    if ids is None:
-                        return None
-                    ids = ids[_HDR : _HDR + dsize]
-                else:
-                    ids = buf[data : data + dsize]
-                if len(ids) < 8:
-                    return None
-                count = _U64.unpack_from(ids, 0)[0]
-                if len(ids) < 8 * (count + 1):
-                    return None
-                free.update(struct.unpack_from(f"{_E}{count}Q", ids, 8))
-        return free
-    except OSError:
-        return None
+        return _Walk(fd, os.fstat(fd).st_size, psize).run(txnid)
+    except _Bad as bad:
+        return str(bad)
     finally:
         os.close(fd)
+
+
+class _Bad(Exception):
+    pass
+
+
+class _Walk:
+    def __init__(self, fd: int, size: int, psize: int) -> None:
+        self.fd, self.size, self.psize = fd, size, psize
+        self.next_pgno = 0
+        self.seen: set[int] = set()
+
+    def within(self, pgno: int, count: int = 1) -> None:
+        """Pages `pgno` .. `pgno + count - 1` are in use and in the file."""
+        if pgno < 2 or count < 1 or pgno + count > self.next_pgno:
+            raise _Bad(f"a reference to page {pgno} (+{count}) outside the {self.next_pgno} pages in use")
+        if (pgno + count) * self.psize > self.size:
+            raise _Bad(
+                f"it is truncated: {self.size} bytes, but page {pgno + count - 1} is in use "
+                f"({(pgno + count) * self.psize} bytes)"
+            )
+
+    def read(self, pgno: int, count: int = 1) -> bytes:
+        self.within(pgno, count)
+        buf = os.pread(self.fd, count * self.psize, pgno * self.psize)
+        if len(buf) != count * self.psize:
+            raise _Bad(f"page {pgno} cannot be read whole")
+        return buf
+
+    def run(self, txnid: int) -> str | None:
+        metas = [os.pread(self.fd, _HDR + 136, n * self.psize) for n in (0, 1)]
+        if len(metas[0]) >= 28 and _U32.unpack_from(metas[0], 24)[0] == _MAGIC:
+            return None  # LMDB 1.0's layout (24-byte page headers): not walked here
+        if any(len(m) < _HDR + 136 or _U32.unpack_from(m, _HDR)[0] != _MAGIC for m in metas):
+            raise _Bad("a meta page is not an LMDB 0.9 meta page")
+        meta = next((m for m in metas if _U64.unpack_from(m, _HDR + 128)[0] == txnid), None)
+        if meta is None:
+            return _UNPINNED
+        self.next_pgno = _U64.unpack_from(meta, _HDR + 120)[0] + 1
+        free_root, main_root = (_U64.unpack_from(meta, _HDR + 24 + 48 * i + 40)[0] for i in (0, 1))
+        self.tree(free_root, free=True)
+        roots = self.tree(main_root, free=False)
+        while roots:  # named databases (the catalog's): F_SUBDATA records in the main tree
+            roots = [r for root in roots for r in self.tree(root, free=False)]
+        return None
+
+    def tree(self, root: int, free: bool) -> list[int]:
+        """Check one B-tree; returns the roots of the named databases its leaves record."""
+        subs: list[int] = []
+        todo = [] if root == _NO_PAGE else [(root, 0)]
+        while todo:
+            pgno, depth = todo.pop()
+            if pgno in self.seen or depth > 32:
+                raise _Bad(f"page {pgno} is reachable twice, or the tree is deeper than LMDB allows")
+            self.seen.add(pgno)
+            buf = self.read(pgno)
+            flags, lower, upper = (_U16.unpack_from(buf, at)[0] for at in (10, 12, 14))
+            kind = flags & ~_P_IGNORED
+            if _U64.unpack_from(buf, 0)[0] != pgno or kind not in (_P_BRANCH, _P_LEAF):
+                raise _Bad(f"page {pgno} is not the B-tree page it should be (flags {flags:#x})")
+            if not _HDR <= lower <= upper <= self.psize or (kind == _P_BRANCH and lower == _HDR):
+                raise _Bad(f"page {pgno} has a bad header (lower {lower}, upper {upper})")
+            for i in range((lower - _HDR) // 2):
+                at = _U16.unpack_from(buf, _HDR + 2 * i)[0]
+                if not upper <= at <= self.psize - 8:
+                    raise _Bad(f"page {pgno} node {i} lies outside its page")
+                lo, hi, nflags, ksize = (_U16.unpack_from(buf, at + 2 * j)[0] for j in range(4))
+                data = at + 8 + ksize
+                if data > self.psize:
+                    raise _Bad(f"page {pgno} node {i}: its key runs past its page")
+                if kind == _P_BRANCH:
+                    todo.append((lo | hi << 16 | nflags << 32, depth + 1))
+                    continue
+                value = self.value(pgno, i, buf, data, lo | hi << 16, nflags, read=free)
+                if nflags & _F_SUBDATA:
+                    if len(value) != 48:
+                        raise _Bad(f"page {pgno} node {i}: a named database record of {len(value)} bytes")
+                    sub = _U64.unpack_from(value, 40)[0]
+                    if sub != _NO_PAGE:
+                        subs.append(sub)
+                elif free:
+                    self.free_list(pgno, i, value)
+        return subs
+
+    def value(self, pgno: int, i: int, buf: bytes, data: int, dsize: int, nflags: int, *, read: bool) -> bytes:
+        """A leaf node's value: in its page, or (F_BIGDATA) in overflow pages, whose extent is
+        checked and, with `read`, read (otherwise the value comes back empty)."""
+        if nflags & ~(_F_BIGDATA | _F_SUBDATA) or nflags == _F_BIGDATA | _F_SUBDATA:
+            raise _Bad(f"page {pgno} node {i} has flags {nflags:#x} no agentstate database uses")
+        if not nflags & _F_BIGDATA:
+            if data + dsize > self.psize:
+                raise _Bad(f"page {pgno} node {i}: its value runs past its page")
+            return buf[data : data + dsize]
+        if data + 8 > self.psize:
+            raise _Bad(f"page {pgno} node {i}: its overflow page number runs past its page")
+        first, count = _U64.unpack_from(buf, data)[0], (_HDR - 1 + dsize) // self.psize + 1
+        if not read:
+            self.within(first, count)
+            return b""
+        return self.read(first, count)[_HDR : _HDR + dsize]
+
+    def free_list(self, pgno: int, i: int, ids: bytes) -> None:
+        """A free-page record: a count, then that many page numbers below the last page in use
+        (LMDB writes the pages it names, so one past the map would be a crash later)."""
+        count = _U64.unpack_from(ids, 0)[0] if len(ids) >= 8 else -1
+        if count < 0 or len(ids) < 8 * (count + 1):
+            raise _Bad(f"free-page record {i} on page {pgno} is malformed")
+        if count and not all(2 <= n < self.next_pgno for n in struct.unpack_from(f"{_E}{count}Q", ids, 8)):
+            raise _Bad(f"free-page record {i} on page {pgno} names pages past the last page in use")
