@@ -47,17 +47,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from pydantic import Field
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-
 from agentstate.adapters.sglang_pages import AdapterSettings, LoopThread, never_raises
 from agentstate.adapters.vllm_blocks import (
     BlockLayout,
@@ -68,6 +60,14 @@ from agentstate.adapters.vllm_blocks import (
     layout_for,
     socket_name,
 )
+from pydantic import Field
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, BackendError, InvalidArgumentError
 from agentstate.keys import chunk_keys, namespace_for, validate_id
@@ -93,6 +93,11 @@ class VllmSettings(AdapterSettings):
     path: Path = Field(default=Path("agentstate-vllm"), description="data directory (one per rank below it with TP/PP)")
     lookup_timeout_s: float = Field(default=2.0, gt=0, description="longest the scheduler waits for a lookup")
     config_file: Path | None = Field(default=None, description="JSON file of StoreConfig fields (inline keys win)")
+    load_mode: Literal["async", "sync"] = Field(
+        default="async",
+        description="async: a request waits while its chunks load between steps, other requests' forwards go on;"
+        " sync: loaded before the forward of the step that computes the rest (one step less of latency)",
+    )
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> tuple[VllmSettings, dict[str, Any]]:
@@ -243,9 +248,7 @@ class AgentStatePromMetrics(KVConnectorPromMetrics):
         self.counters = {}
         for key, doc in helps.items():
             counter = self._counter_cls(name=f"vllm:agentstate_{key}", documentation=doc, labelnames=labelnames)
-            self.counters[key] = {
-                idx: counter.labels(*values) for idx, values in self.per_engine_labelvalues.items()
-            }
+            self.counters[key] = {idx: counter.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, by_engine in self.counters.items():
@@ -285,7 +288,8 @@ class AgentStateConnector(KVConnectorBase_V1):
             vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
             self._clients = [
                 LookupClient(
-                    socket_name(str(data_dir(vllm_config, self.settings, r).resolve()), r), self.settings.lookup_timeout_s
+                    socket_name(str(data_dir(vllm_config, self.settings, r).resolve()), r),
+                    self.settings.lookup_timeout_s,
                 )
                 for r in range(self._tp * pc.pipeline_parallel_size)
             ]
@@ -363,7 +367,7 @@ class AgentStateConnector(KVConnectorBase_V1):
         if hit <= num_computed_tokens:
             return 0, False
         self._matched[request.request_id] = (num_computed_tokens, {**plan, "end": hit})
-        return hit - num_computed_tokens, True
+        return hit - num_computed_tokens, self.settings.load_mode == "async"
 
     @never_raises(lambda *_, **__: None)
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -390,7 +394,8 @@ class AgentStateConnector(KVConnectorBase_V1):
             keys.append(plan["tail_key"])
             spans.append((n_full * c, plan["tail_tokens"]))
         self._loads.append(LoadJob(req_id, keys, spans, block_ids, first, end))
-        tracked.saved = max(tracked.saved, end // c)
+        # `saved` stays: loaded chunks are offered for saving too, and the worker's dedupe skips them
+        # unless a load found one corrupt (dropped), so the recomputed chunk is stored again.
 
     @never_raises(lambda *_, **__: AgentStateMetadata())
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -471,7 +476,9 @@ class AgentStateConnector(KVConnectorBase_V1):
             self._failed("register_kv_caches", exc)
             self.layout, self.planes = None, []
 
-    def _layout(self, kv_caches: dict[str, torch.Tensor]) -> tuple[BlockLayout, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _layout(
+        self, kv_caches: dict[str, torch.Tensor]
+    ) -> tuple[BlockLayout, list[tuple[torch.Tensor, torch.Tensor]]]:
         from vllm.model_executor.layers.attention import Attention  # noqa: F401 - vLLM present here
 
         layers = self._vllm_config.compilation_config.static_forward_context
@@ -548,12 +555,20 @@ class AgentStateConnector(KVConnectorBase_V1):
             self._start_load(job)
         for sjob in meta.sessions:
             self._start_session(sjob)
+        if self.settings.load_mode == "sync":  # this step's forward reads the loaded blocks: wait here
+            for job in meta.loads:
+                entry = self._loading.get(job.req_id)
+                if entry is not None:
+                    concurrent.futures.wait([entry[0]], timeout=self.settings.timeout_s)
+                    self._finish_load(job.req_id, timed_out=not entry[0].done())
 
     def _start_load(self, job: LoadJob) -> None:
         if job.req_id in self._loading:
             return
         try:
             self._ready()
+            assert self.layout is not None
+            # canonical order for the scatter: measured faster than walking the engine's order here
             target = BlocksTarget(self.planes, job.block_ids, self.block_size, job.first, job.end)
             future = asyncio.run_coroutine_threadsafe(self._load(job, target), self._loop.loop)
         except Exception as exc:  # noqa: BLE001 - the load fails, the blocks are recomputed
@@ -577,6 +592,8 @@ class AgentStateConnector(KVConnectorBase_V1):
 
     def _finish_load(self, req_id: str, timed_out: bool) -> None:
         future, target, job, _ = self._loading.pop(req_id)
+        if timed_out:
+            future.cancel()
         written = target.close()
         if not timed_out and future.done() and future.exception() is not None:
             self._failed("load", future.exception())  # type: ignore[arg-type]
@@ -587,7 +604,11 @@ class AgentStateConnector(KVConnectorBase_V1):
             good = start + n
         good = min(max(good, job.first), job.end)
         if good < job.end:
-            bad = {job.block_ids[t // self.block_size] for t in range(good, job.end) if t // self.block_size < len(job.block_ids)}
+            bad = {
+                job.block_ids[t // self.block_size]
+                for t in range(good, job.end)
+                if t // self.block_size < len(job.block_ids)
+            }
             self._errors |= bad
             self._count(load_error_blocks=len(bad))
         self._count(loaded_tokens=good - job.first)
@@ -619,7 +640,7 @@ class AgentStateConnector(KVConnectorBase_V1):
             for j in job.chunks:
                 if not present[i]:
                     out = self.spec.empty_kv(c)
-                    chunks[j] = gather(self.planes, job.block_ids, self.block_size, j * c, c, out)
+                    chunks[j] = gather(self.planes, job.block_ids, self.block_size, j * c, c, out, self.layout.orders)
                 i += 1
             if chunks:
                 view = self.store.for_tenant(job.tenant)
@@ -644,7 +665,9 @@ class AgentStateConnector(KVConnectorBase_V1):
     def _start_session(self, job: SessionJob) -> None:
         try:
             store = self._ready()
-            kv = gather(self.planes, job.block_ids, self.block_size, 0, len(job.tokens), self.spec.empty_kv(len(job.tokens)))
+            assert self.layout is not None
+            kv = gather(self.planes, job.block_ids, self.block_size, 0, len(job.tokens),
+                        self.spec.empty_kv(len(job.tokens)), self.layout.orders)  # fmt: skip
             view = store.for_tenant(job.tenant)
             future = asyncio.run_coroutine_threadsafe(self._snapshot(view, job, kv), self._loop.loop)
         except Exception as exc:  # noqa: BLE001 - the blocks must be released either way

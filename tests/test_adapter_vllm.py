@@ -36,15 +36,16 @@ from tests.requires import require_module
 vllm = require_module("vllm", "pip install -c constraints.txt -r requirements-vllm.txt (a venv of its own: .ci/run)")
 transformers = require_module("transformers")
 
-from agentstate import ModelSpec, StateStore  # noqa: E402
-from agentstate.adapters import transformers as hf  # noqa: E402
-from agentstate.adapters.vllm_blocks import BlockLayout, BlocksTarget, gather, layout_for  # noqa: E402
-from agentstate.keys import chunk_keys, namespace_for  # noqa: E402
+from agentstate.adapters import transformers as hf
+from agentstate.adapters.vllm_blocks import BlockLayout, BlocksTarget, gather, layout_for
+
+from agentstate import ModelSpec, StateStore
+from agentstate.keys import chunk_keys, namespace_for
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ROOT / "tests" / "vllm_engine.py"
 sys.path.insert(0, str(ROOT / "tests"))
-from vllm_engine import make_model  # noqa: E402
+from vllm_engine import make_model
 
 
 def toks(n: int, seed: int) -> list[int]:
@@ -72,7 +73,7 @@ def run_engine(tmp: Path, name: str, job: dict[str, Any], timeout: float = 400) 
            "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"), "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(ENGINE), str(work / "job.json"), str(work / "out.json")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False,
     )  # fmt: skip
     (work / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not (work / "out.json").exists():
@@ -108,7 +109,8 @@ def data(tmp: Path) -> Path:
 def conn(tmp: Path, model: str, data: Path) -> dict[str, Any]:
     rounds = [
         [req(P1), req(P2), req(S1, params=SESSION)],
-        [req(P1), req(P2), {"continue": [0, 2], "extra": EXTRA, "max_tokens": MAX, "params": SESSION2}],
+        [req(P1), req(P2), {"continue": [0, 2], "extra": EXTRA, "max_tokens": MAX, "params": SESSION2},
+         req(P1, salt="tenant-b")],
     ]
     return run_engine(tmp, "conn", {"model": model, "connector": {"path": str(data)}, "rounds": rounds})
 
@@ -164,6 +166,7 @@ def test_round0_stores_round1_hits(base: dict[str, Any], conn: dict[str, Any]) -
     r0, r1 = conn["rounds"]
     assert [r["cached"] for r in r0] == [0, 0, 0]
     assert r1[0]["cached"] == 512 and r1[1]["cached"] == 1024  # whole chunks, one prompt token left
+    assert r1[3]["cached"] == 0 and r1[3]["tokens"] == base["P1"]["tokens"]  # cache_salt: another tenant's namespace
     assert r0[0]["tokens"] == base["P1"]["tokens"] and r1[0]["tokens"] == base["P1"]["tokens"]
     assert r0[1]["tokens"] == base["P2"]["tokens"] and r1[1]["tokens"] == base["P2"]["tokens"]
     m = conn["metrics"]
@@ -189,7 +192,7 @@ def library(conn: dict[str, Any], data: Path, model: str) -> bool:
     lm = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     assert hf.spec_for(lm, model_id=model) == spec  # equal tokens give equal keys in both engines
     ls = subprocess.run([sys.executable, "-m", "agentstate", "ls", "--path", str(data), "--json"],
-                        cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+                        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert ls.returncode == 0, ls.stderr
     assert "agent-1" in ls.stdout
     s2 = conn["rounds"][1][2]
@@ -251,15 +254,29 @@ def test_new_engine_process_chunked_prefill(base: dict[str, Any], again: dict[st
     # the damaged chunk: detected, its blocks recomputed, the tokens still equal
     assert p2["tokens"] == base["P2"]["tokens"]
     assert again["metrics"]["vllm:agentstate_load_error_blocks"] >= 2
+    assert p2["cached"] < 1024 or again["metrics"]["vllm:agentstate_load_error_blocks"] > 0
 
 
-def test_two_engines_share_redis(tmp: Path, model: str, base: dict[str, Any], redis_server: Any) -> None:
+def test_damaged_chunk_stored_again(again: dict[str, Any], data: Path) -> None:
+    """The corrupt copy was dropped on load, and the recomputed chunk saved again."""
+    spec = spec_of(data)
+    key = chunk_keys(P2[:1024], namespace=namespace_for("default"), fingerprint=spec.fingerprint, chunk_tokens=256)[2]
+
+    async def check() -> None:
+        async with StateStore.open(data, spec, read_only=True) as store:
+            assert await store.chunks.read_value(key, 256) is not None
+
+    asyncio.run(check())
+
+
+def test_two_engines_share_redis_sync_load(tmp: Path, model: str, base: dict[str, Any], redis_server: Any) -> None:
     url = redis_server.url
     cfg = {"tiers": [{"kind": "host"}, {"kind": "redis", "url": url, "prefix": "vllmtest:"}], "catalog_url": url,
            "catalog_prefix": "vllmtest:"}  # fmt: skip
     first = run_engine(tmp, "redis1", {"model": model, "connector": {"path": str(tmp / "e1"), **cfg},
                                        "rounds": [[req(P1)]]})  # fmt: skip
-    second = run_engine(tmp, "redis2", {"model": model, "connector": {"path": str(tmp / "e2"), **cfg},
+    # the second engine loads synchronously (before the forward of the same step): the other load path
+    second = run_engine(tmp, "redis2", {"model": model, "connector": {"path": str(tmp / "e2"), "load_mode": "sync", **cfg},
                                         "rounds": [[req(P1)]]})  # fmt: skip
     assert first["rounds"][0][0]["cached"] == 0
     assert second["rounds"][0][0]["cached"] == 512
