@@ -125,7 +125,8 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
     return VerifyReport(
         clean=not corrupt and not missing and not catalog_lost, repaired=repair and bool(corrupt or restored),
         tiers=checks, corrupt=corrupt, missing=sorted(set(missing)),
-        affected=sorted(affected, key=lambda a: (a.tenant, a.session_id)), orphans=orphans, catalog_lost=catalog_lost, catalog_created=getattr(store.catalog, "created", False),
+        affected=sorted(affected, key=lambda a: (a.tenant, a.session_id)), orphans=orphans,
+        catalog_lost=catalog_lost, catalog_created=store.catalog.created,
     )  # fmt: skip
 
 
