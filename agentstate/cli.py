@@ -1,7 +1,7 @@
 """The `agentstate` command line (typer + rich).
 
 Every admin command opens a data directory under the ModelSpec recorded in `<path>/spec.json`
-(or `--spec FILE`), runs one operation from `agentstate.ops.admin`, `agentstate.verify` or
+(or `--spec FILE`), runs one operation from `agentstate.ops.admin`, `agentstate.ops.verify` or
 `agentstate.ops.archive`, and prints its report: a rich table, or the report's JSON with `--json`.
 Progress bars go to stderr, so `--json` output on stdout stays parseable. Exit codes: 0 done,
 1 the operation failed with a typed error (printed to stderr) or `verify` found damage it did not
@@ -249,7 +249,7 @@ def verify(
     json: JsonOpt = False,
 ) -> None:
     """Check every stored chunk and tail, in every tier, against its checksum (all tenants)."""
-    from agentstate.verify import verify as run
+    from agentstate.ops.verify import verify as run
 
     with _progress(not json) as bars:
         r = _with_store(path, spec, None, lambda s: run(s, repair=repair, progress=bars), read_only=not repair)

@@ -144,6 +144,44 @@ def test_cpu_layout_round_trip() -> None:
     assert not out[:, :, : bs + 5].any() and torch.equal(out[:, :, bs + 5 :], src[:, :, bs + 5 :])
 
 
+def test_import_agentstate_needs_no_vllm() -> None:
+    code = ("import sys, agentstate, agentstate.adapters.transformers, agentstate.adapters.vllm_blocks;"
+            " assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules), 'vllm imported'")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_lookup_channel() -> None:
+    """The scheduler's lookups reach the worker's loop; a worker that is gone is an OSError (a miss)."""
+    from agentstate.adapters.sglang_pages import LoopThread
+    from agentstate.adapters.vllm_blocks import LookupClient, LookupServer, socket_name
+
+    name = socket_name(f"/nonexistent/{os.getpid()}", 0)
+    asked: list[dict[str, Any]] = []
+
+    async def answer(request: dict[str, Any]) -> dict[str, Any]:
+        asked.append(request)
+        if request.get("boom"):
+            raise RuntimeError("store down")
+        return {"chunks": len(request["keys"])}
+
+    loop = LoopThread("test-lookup")
+    server = LookupServer(name, answer)
+    client = LookupClient(name, timeout_s=2)
+    try:
+        loop.run(server.start(), 5)
+        assert client.ask({"keys": ["a", "b"]}) == {"chunks": 2}
+        assert client.ask({"keys": [], "boom": True})["error"].startswith("RuntimeError")
+        assert client.ask({"keys": ["x"] * 5000}) == {"chunks": 5000}  # large messages
+        loop.run(server.stop(), 5)
+        with pytest.raises(OSError):
+            client.ask({"keys": ["a"]})
+    finally:
+        client.close()
+        loop.stop()
+    assert len(asked) == 3
+
+
 @pytest.mark.gpu
 def test_flash_layouts_round_trip() -> None:
     if not torch.cuda.is_available():

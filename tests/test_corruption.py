@@ -91,7 +91,7 @@ async def test_verify_finds_damage_in_every_tier_and_repair_drops_only_bad_copie
     """`agentstate verify` (the library call behind it) on a file tier over LMDB: a damaged file
     copy and a damaged LMDB copy are both reported by tier; repair drops exactly those, and writes
     the file tier's good copy back into LMDB, so the record tier holds every session whole again."""
-    from agentstate.verify import verify
+    from agentstate.ops.verify import verify
 
     data, rng = tmp_path / "data", random.Random("verify")
     tokens, kv = random_tokens(TOKENS, seed=5), random_kv(SPEC4, TOKENS, seed=5)

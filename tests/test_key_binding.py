@@ -29,7 +29,7 @@ from agentstate.config import TierConfig
 from agentstate.server.dataplane import read_chunk
 from agentstate.errors import CorruptDataError
 from agentstate.manifest import SessionManifest
-from agentstate.verify import verify
+from agentstate.ops.verify import verify
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 
 CHUNK = 64

@@ -29,7 +29,7 @@ from agentstate.catalog import LMDBCatalog
 from agentstate.keys import ChunkKey
 from agentstate.manifest import SessionManifest
 from agentstate.ops.admin import record_spec
-from agentstate.verify import verify
+from agentstate.ops.verify import verify
 from tests.conftest import SPEC4, random_kv, random_tokens
 
 AGENTSTATE = shutil.which("agentstate")

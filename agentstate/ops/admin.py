@@ -1,5 +1,5 @@
 """Admin operations behind `agentstate ls | inspect | stats | evict | gc` (verify lives in
-`agentstate.verify`, export and import in `agentstate.ops.archive`).
+`agentstate.ops.verify`, export and import in `agentstate.ops.archive`).
 
 Each operation takes an open StateStore and returns a pydantic model, so the CLI only parses
 arguments and prints (`--json` is `model_dump_json`). `open_store` finds a data directory's
