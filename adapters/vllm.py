@@ -93,6 +93,9 @@ class VllmSettings(AdapterSettings):
     path: Path = Field(default=Path("agentstate-vllm"), description="data directory (one per rank below it with TP/PP)")
     lookup_timeout_s: float = Field(default=2.0, gt=0, description="longest the scheduler waits for a lookup")
     config_file: Path | None = Field(default=None, description="JSON file of StoreConfig fields (inline keys win)")
+    max_pending_saves: int = Field(
+        default=256, gt=0, description="chunks copied out and not yet written; beyond it saves are dropped (counted)"
+    )
     load_mode: Literal["async", "sync"] = Field(
         default="async",
         description="async: a request waits while its chunks load between steps, other requests' forwards go on;"
@@ -208,7 +211,9 @@ class _Tracked:
 
 # -- metrics -------------------------------------------------------------------------------------------
 
-STAT_KEYS = ("hit_tokens", "loaded_tokens", "stored_tokens", "load_error_blocks", "sessions_saved", "errors")
+STAT_KEYS = (
+    "hit_tokens", "loaded_tokens", "stored_tokens", "load_error_blocks", "sessions_saved", "saves_dropped", "errors",
+)  # fmt: skip
 
 
 @dataclass
@@ -243,6 +248,7 @@ class AgentStatePromMetrics(KVConnectorPromMetrics):
             "stored_tokens": "tokens stored into agentstate (new chunks)",
             "load_error_blocks": "blocks whose agentstate load failed (recomputed)",
             "sessions_saved": "agentstate sessions snapshotted",
+            "saves_dropped": "chunks not saved because the store fell behind",
             "errors": "agentstate connector errors",
         }
         self.counters = {}
@@ -283,6 +289,10 @@ class AgentStateConnector(KVConnectorBase_V1):
         self._count_lock = threading.Lock()
         pc = vllm_config.parallel_config
         self._tp = pc.tensor_parallel_size
+        if self._tp * pc.pipeline_parallel_size > 1:
+            # Chunk keys carry the rank's fingerprint: the scheduler would have to compute and plan
+            # them per rank. Not built yet; refused at startup rather than silently never hitting.
+            raise InvalidArgumentError("the agentstate vLLM connector supports one rank (TP = PP = 1) so far")
         if role == KVConnectorRole.SCHEDULER:
             # A failed load falls back to recompute (vLLM's default is to fail the request).
             vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
@@ -309,6 +319,7 @@ class AgentStateConnector(KVConnectorBase_V1):
             self._sending: dict[str, concurrent.futures.Future[None]] = {}
             self._writes: list[concurrent.futures.Future[None]] = []
             self._errors: set[int] = set()
+            self._pending = 0  # chunks copied out, not yet written
             self._stats = AgentStateStats()
 
     # -- plumbing ----------------------------------------------------------------------------------
@@ -336,8 +347,23 @@ class AgentStateConnector(KVConnectorBase_V1):
     # Scheduler side
     # ==============================================================================================
 
-    def _ask(self, request: dict[str, Any]) -> list[dict[str, Any]]:
-        return [client.ask(request) for client in self._clients]
+    def _ask(self, request: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The workers' replies, or None (a miss) when one cannot be reached: logged once a minute."""
+        try:
+            replies = [client.ask(request) for client in self._clients]
+        except OSError as exc:  # TimeoutError and connection errors: the worker is down, slow or has no store
+            self._count(lookup_errors=1)
+            now = time.monotonic()
+            if now - getattr(self, "_lookup_logged", -1e9) > 60:
+                self._lookup_logged = now
+                log.warning("agentstate lookup failed (treated as a miss): %s", exc)
+            return None
+        bad = [r["error"] for r in replies if "error" in r]
+        if bad:
+            self._count(lookup_errors=1)
+            log.warning("agentstate lookup failed (treated as a miss): %s", bad[0])
+            return None
+        return replies
 
     @never_raises(lambda *_, **__: (0, False))
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -354,6 +380,8 @@ class AgentStateConnector(KVConnectorBase_V1):
         if session is not None:
             query.update(session=session[0], tokens=tokens)
         replies = self._ask(query)
+        if replies is None:
+            return 0, False
         hit = min(int(r.get("chunks", 0)) for r in replies) * self.chunk_tokens
         plan: dict[str, Any] = {"keys": keys, "chunks": hit // self.chunk_tokens}
         sess = [r.get("session") for r in replies]
@@ -638,11 +666,15 @@ class AgentStateConnector(KVConnectorBase_V1):
         for job in meta.saves:
             chunks: dict[int, torch.Tensor] = {}
             for j in job.chunks:
-                if not present[i]:
+                if not present[i] and self._pending + len(chunks) >= self.settings.max_pending_saves:
+                    self._count(saves_dropped=1)  # never stall the step behind a slow store: a later miss
+                elif not present[i]:
                     out = self.spec.empty_kv(c)
                     chunks[j] = gather(self.planes, job.block_ids, self.block_size, j * c, c, out, self.layout.orders)
                 i += 1
             if chunks:
+                with self._count_lock:
+                    self._pending += len(chunks)
                 view = self.store.for_tenant(job.tenant)
                 self._writes.append(
                     asyncio.run_coroutine_threadsafe(self._write(view, job.tokens, chunks), self._loop.loop)
@@ -659,6 +691,9 @@ class AgentStateConnector(KVConnectorBase_V1):
             self._count(stored_tokens=stored)
         except Exception as exc:  # noqa: BLE001 - a lost save is a later miss
             self._failed("save", exc)
+        finally:
+            with self._count_lock:
+                self._pending -= len(chunks)
 
     # -- sessions ----------------------------------------------------------------------------------
 
@@ -719,10 +754,11 @@ class AgentStateConnector(KVConnectorBase_V1):
         if self.role != KVConnectorRole.WORKER or self._loop.closed:
             return
         try:
+            deadline = time.monotonic() + self.settings.timeout_s  # one bound for all of them
             for f in [*self._writes, *self._sending.values()]:
                 try:
-                    f.result(self.settings.timeout_s)
-                except Exception:  # noqa: BLE001, S110 - counted where it failed
+                    f.result(max(0.0, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001, S110 - counted where it failed (or late: dropped)
                     pass
             if self._server is not None:
                 self._loop.run(self._server.stop(), self.settings.timeout_s)
