@@ -208,3 +208,40 @@ async def test_a_catalog_of_the_old_format_keeps_its_tails(tmp_path: Path) -> No
         await store.gc()
         r = await store.resume("s")
         assert r.restored_tokens == 50 and bits_equal(r.kv, kv)
+
+
+KILLED_WRITER = """
+import asyncio, sys
+from pathlib import Path
+from agentstate import StateStore
+from agentstate.config import TierConfig
+from tests.conftest import SPEC4, random_kv, random_tokens
+async def main():
+    tiers = [TierConfig(kind="file"), TierConfig(kind="lmdb", path=Path("chunks"))]
+    async with StateStore.open(sys.argv[1], SPEC4, chunk_tokens=16, tiers=tiers) as store:
+        print("ready", flush=True)
+        for i in range(10**6):
+            n = 600 + i % 300
+            await store.snapshot(f"s{i % 5}", random_tokens(n, seed=i), random_kv(SPEC4, n, seed=i))
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("after_s", [0.5, 1.3, 2.2])
+async def test_copies_left_by_a_killed_writer_are_swept(tmp_path: Path, after_s: float) -> None:
+    """SIGKILL in the middle of snapshots leaves file-tier and LMDB copies no manifest names; after
+    a reopen, gc leaves exactly what the committed manifests name, and those resume whole."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path / "d")], cwd=root, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    await asyncio.sleep(after_s)
+    proc.kill()
+    proc.wait()
+    tiers = [TierConfig(kind="file"), TierConfig(kind="lmdb", path=Path("chunks"))]
+    async with StateStore.open(tmp_path / "d", SPEC4, chunk_tokens=CHUNK, tiers=tiers) as store:
+        await check_gc_exact(store, [])
+        async for m in store.sessions():
+            assert (await store.resume(m.session_id)).restored_tokens == m.num_tokens

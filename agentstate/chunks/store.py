@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from agentstate.backends.base import Backend, BackendStats, ReadSink
 from agentstate.chunks.lock import DataDirLock
@@ -58,11 +59,16 @@ class TierInfo:
     chunks: int
 
 
-@dataclass(frozen=True)
-class EvictResult:
+class EvictResult(BaseModel):
+    """What `evict` did (also the admin CLI's report)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tier: str
     evicted: int
     evicted_bytes: int
     demoted: int
+    """evicted chunks no lower tier held, written down first (never the last copy)"""
     skipped_pinned: int
     used_before: int
     used_after: int
@@ -385,7 +391,7 @@ class ChunkStore:
                 await self._manager.evict(tier, key)
                 evicted, evicted_bytes, used = evicted + 1, evicted_bytes + sizes[key], used - sizes[key]
         return EvictResult(
-            evicted=evicted, evicted_bytes=evicted_bytes, demoted=self._manager.counts["demotions"] - demoted_before,
+            tier=tier.name, evicted=evicted, evicted_bytes=evicted_bytes, demoted=self._manager.counts["demotions"] - demoted_before,
             skipped_pinned=skipped, used_before=before, used_after=used,
         )  # fmt: skip
 

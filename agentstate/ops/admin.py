@@ -24,6 +24,7 @@ from agentstate.keys import validate_id
 from agentstate.manifest import SessionManifest
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore, StoreStats
+from agentstate.chunks import EvictResult
 from agentstate.chunks import TierInfo as ChunkTierInfo
 
 SPEC_FILE = "spec.json"
@@ -286,15 +287,7 @@ async def gc(store: StateStore) -> GcReport:
     return GcReport(removed=await store.gc())
 
 
-class EvictReport(BaseModel):
-    tier: str
-    evicted: int
-    evicted_bytes: int
-    demoted: int
-    """evicted chunks no lower tier held, written down first (never the last copy)"""
-    skipped_pinned: int
-    used_before: int
-    used_after: int
+EvictReport = EvictResult
 
 
 async def evict(
@@ -313,11 +306,7 @@ async def evict(
     if budget_bytes is not None and budget_bytes < 0:
         raise InvalidArgumentError(f"byte budget must be >= 0, got {budget_bytes}")
     wanted = [k for sid in sessions for k in session_keys(await store.session(sid))]
-    done = await store.chunks.evict(tier_name, budget_bytes=budget_bytes, keys=wanted if sessions else None)
-    return EvictReport(
-        tier=tier_name, evicted=done.evicted, evicted_bytes=done.evicted_bytes, demoted=done.demoted,
-        skipped_pinned=done.skipped_pinned, used_before=done.used_before, used_after=done.used_after,
-    )  # fmt: skip
+    return await store.chunks.evict(tier_name, budget_bytes=budget_bytes, keys=wanted if sessions else None)
 
 
 def dumps(model: BaseModel | Sequence[BaseModel]) -> str:
