@@ -208,12 +208,15 @@ class SessionOps(StoreBase):
             for _ in range(_FORCE_RETRIES):
                 src = await self._manifest(source_id)
                 tkey = tail_key(self.fingerprint, self.tenant, new_id, 1) if src.tail_key else None
-                with self.chunks.pinned([*src.chunk_keys, *([src.tail_key, tkey] if tkey else [])]):
+                pins = [*src.chunk_keys, *([src.tail_key, tkey] if src.tail_key and tkey else [])]
+                with self.chunks.pinned(pins):
                     if not await self.chunks.durable(src.chunk_keys):
                         continue  # the source changed under us: its chunks went with an older version
                     try:
-                        if src.tail_key and tkey:
-                            await self._copy_tail(source_id, src, tkey)
+                        if src.tail_key and tkey and not await self._copy_tail(src, tkey):
+                            if await self.catalog.version(self.tenant, source_id) != src.version:
+                                continue  # its tail went with the version we read
+                            raise CorruptDataError(f"tail of session {source_id!r} is missing or corrupt")
                         stamp = now()
                         fields = {"session_id": new_id, "tail_key": tkey, "version": 1, "parent": source_id}
                         manifest = src.model_copy(update={**fields, "created_at": stamp, "updated_at": stamp})
@@ -224,14 +227,16 @@ class SessionOps(StoreBase):
                 return manifest
         raise ConflictError(f"session {source_id!r} kept changing while it was forked")
 
-    async def _copy_tail(self, source_id: str, src: SessionManifest, tkey: str) -> None:
+    async def _copy_tail(self, src: SessionManifest, tkey: str) -> bool:
+        """Copy the source's tail under the fork's own key; False when it cannot be read intact."""
         assert src.tail_key is not None
         tail = self.spec.empty_kv(src.tail_tokens)
         await self.chunks.discover([src.tail_key])
         span = [(0, src.tail_tokens)]
         if not (await self.chunks.read([src.tail_key], span, TensorTarget(tail, self.spec)))[0]:
-            raise CorruptDataError(f"tail of session {source_id!r} is missing or corrupt")
+            return False
         await self.chunks.write([tkey], [tail], durable=True)
+        return True
 
     async def delete(self, session_id: str) -> None:
         """Remove a session; chunks no other session or prefix references are deleted (shared

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict
 from agentstate.backends.base import Backend, BackendStats, ReadSink
 from agentstate.chunks.lock import DataDirLock
 from agentstate.chunks.registry import CAPACITY_MANAGED, build_backend
-from agentstate.config import StoreConfig
+from agentstate.config import StoreConfig, TierConfig
 from agentstate.errors import InvalidArgumentError
 from agentstate.chunks.index import ChunkIndex
 from agentstate.chunks.io import Batch, IOEngine, batches
@@ -124,10 +124,7 @@ class ChunkStore:
         self._deleting: dict[str, asyncio.Future[None]] = {}
         self._closed = False
 
-    def _tier(self, cfg: object) -> Tier:
-        from agentstate.config import TierConfig
-
-        assert isinstance(cfg, TierConfig)
+    def _tier(self, cfg: TierConfig) -> Tier:
         backend = build_backend(cfg, self.config)
         capacity = cfg.capacity_bytes if cfg.kind in CAPACITY_MANAGED else None
         return Tier(backend, capacity=capacity, is_device=cfg.kind == "device")
