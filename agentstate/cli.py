@@ -318,17 +318,17 @@ def import_(
     A new data directory takes the archive's spec (recorded once the import succeeds) unless
     --spec says otherwise."""
     from agentstate.ops.admin import record_spec, recorded_spec
-    from agentstate.ops.archive import import_sessions, read_spec
+    from agentstate.ops.archive import import_sessions, new_directory_undone, read_spec
 
     fresh = spec is None and recorded_spec(path) is None
     model = _run(lambda: asyncio.to_thread(read_spec, archive)) if fresh else None
-    with _progress(not json) as bars:
+    with new_directory_undone(path), _progress(not json) as bars:  # a failed import leaves no new directory
         r = _with_store(
             path, spec, tenant, lambda s: import_sessions(s, archive, tenant=tenant, force=force, progress=bars),
             create=True, model=model,
         )  # fmt: skip
-    if model is not None:
-        record_spec(path, model)
+        if model is not None:
+            record_spec(path, model)
     _emit(r, json, lambda: out.print(
         f"imported {r.sessions} sessions ({r.tokens} tokens) from {r.archive}, {r.replaced} replaced"
     ))  # fmt: skip

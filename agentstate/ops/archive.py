@@ -14,14 +14,46 @@ and checked by the codec. Import checks the whole archive (member checksums, eve
 under the target's spec, token counts, ids, conflicts) before it writes anything, then stores each
 session with `snapshot`, so keys are rebuilt for the target (another tenant, another chunk size)
 and shared chunks are deduplicated there as anywhere else.
+
+Import is all-or-nothing, in two steps:
+
+1. Check. Every session is checked exactly as `snapshot` would check it, with snapshot's own
+   helpers (`agentstate.sessions`: ids, `token_array` (ids >= 0 and < 2**63), `_json_object`
+   (JSON only, no NaN, nesting), `_check_options`, `_manifest_or_invalid`), plus what an archive
+   adds (member checksums, each chunk decoded under the target's spec and token count, duplicates,
+   sessions present in the target unless `force`). A session snapshot would refuse is a
+   CorruptDataError here, before anything is written.
+2. Write, with undo. Sessions are stored one by one with `snapshot(expected_version=<the version
+   the check saw>)`, while every chunk and tail of each session it will replace stays pinned, so
+   the replacing snapshots leave the old versions' data in place. If anything fails (a full disk's
+   CapacityError, an outage, a cancellation), every session whose manifest is no longer what the
+   check saw is put back: a session the import created is deleted (`delete`: its chunks are
+   collected by their counts like any other), a replaced one gets its previous manifest back,
+   committed as is (same version, same chunks and tail, still pinned so still stored) and the
+   replacement's chunks are collected. Then the error is raised. On success the old versions'
+   chunks that nothing names any more are collected. The target is left as it was: the same
+   sessions and versions, the same keys in every tier.
+
+What this does not cover: a crash (SIGKILL, power loss) in step 2 leaves the sessions committed
+so far, each whole (run the import again with `force`); with a shared (Redis) catalog a replacing
+commit deletes the old tail at once, so a replaced session cannot be restored whole there, and
+an import into a shared catalog that fails may leave replaced sessions missing their tail (their
+chunks still restore). The CLI's `import` also undoes a new data directory: when `--path` held no
+data directory before (no catalog, no `spec.json`), a failed import removes it (or, if the
+directory existed, what the import created in it), so no data without a `spec.json` is left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import logging
+import os
+import shutil
 import tarfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +62,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentstate import codec
-from agentstate.ops.admin import QUIET, Progress
+from agentstate.catalog import named_keys
 from agentstate.errors import (
     AgentStateError,
     ConflictError,
@@ -39,8 +71,10 @@ from agentstate.errors import (
     NotFoundError,
     SpecMismatchError,
 )
-from agentstate.keys import validate_id
-from agentstate.manifest import SessionManifest
+from agentstate.keys import tail_key, token_array, validate_id
+from agentstate.manifest import SessionManifest, now
+from agentstate.ops.admin import QUIET, Progress
+from agentstate.sessions import _check_options, _json_object, _manifest_or_invalid
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
 
@@ -48,6 +82,7 @@ FORMAT: Literal["agentstate-archive"] = "agentstate-archive"
 FORMAT_VERSION = 2  # 2: codec frames of format 2, bound to their member names
 INDEX = "index.json"
 _MAX_INDEX_BYTES = 1 << 30
+log = logging.getLogger("agentstate.archive")
 
 
 class Member(BaseModel):
@@ -195,12 +230,16 @@ async def import_sessions(
     store: StateStore, source: Path, *, tenant: str | None = None, force: bool = False, progress: Progress = QUIET
 ) -> ImportReport:
     """Store every session of the archive `source` in `store`: in its recorded tenant, or all in
-    `tenant` when given. Nothing is written until the whole archive checks out:
+    `tenant` when given. All or nothing (see the module doc): nothing is written until the whole
+    archive checks out, and a failure while writing puts the target back as it was.
 
-    - SpecMismatchError: the archive holds KV of another model spec than the store serves;
+    - SpecMismatchError: the archive holds KV of another model spec than the store serves, or a
+      session to replace was stored for another spec (`force=True` replaces it);
     - CorruptDataError: not an agentstate archive, a member damaged, missing or not a valid chunk
-      of the spec, token counts that disagree with the chunks;
-    - ConflictError: a session already exists in the target (`force=True` overwrites it).
+      of the spec, token counts that disagree with the chunks, a session `snapshot` would refuse
+      (token ids < 0 or >= 2**63, state that is not JSON or nested too deep, bad ids or options);
+    - ConflictError: a session already exists in the target (`force=True` overwrites it);
+    - whatever stopped the writing (CapacityError on a full disk, ...), after the undo.
     """
     source = Path(source)
     with _open(source) as tar:
@@ -211,33 +250,81 @@ async def import_sessions(
                 f"this store serves {store.fingerprint} ({store.spec.model_id})"
             )
         targets = [(tenant or s.tenant, s) for s in index.sessions]
-        await _check(store, tar, index, targets, force=force, progress=progress)
-        replaced = 0
+        plans = await _check(store, tar, index, targets, force=force, progress=progress)
         progress.start("import", sum(len(s.tokens) for s in index.sessions))
-        for owner, s in targets:
-            kv = torch.empty(store.spec.kv_shape(len(s.tokens)), dtype=store.spec.torch_dtype)
-            for i, name in enumerate([*s.chunks, *([s.tail] if s.tail else [])]):
-                a = i * s.chunk_tokens
-                b = min(a + s.chunk_tokens, len(s.tokens))
-                codec.decode_into(_member(tar, name, index), kv[:, :, a:b], key=name, fingerprint=store.fingerprint)
-            scoped = store.for_tenant(owner)
-            replaced += await _exists(scoped, s.session_id)
-            await scoped.snapshot(
-                s.session_id, s.tokens, kv, s.state, ttl_seconds=s.ttl_seconds, pinned=s.pinned, force=force
-            )
-            progress.advance(len(s.tokens))
+        kept = [k for p in plans if p.prev is not None for k in named_keys(p.prev)]
+        with store.chunks.pinned(kept):  # replaced versions stay stored until the import stands
+            try:
+                for p in plans:
+                    await _write(store, tar, index, p, force=force)
+                    progress.advance(len(p.session.tokens))
+            except BaseException as exc:
+                await _undo(store, plans, exc)
+                raise
+        await store.chunks.collect(kept, store.catalog.refcounts)
     return ImportReport(
-        archive=str(source), sessions=len(targets), tokens=sum(len(s.tokens) for _, s in targets), replaced=replaced
-    )
+        archive=str(source), sessions=len(plans), tokens=sum(len(p.session.tokens) for p in plans),
+        replaced=sum(p.prev is not None and not p.prev.expired() for p in plans),
+    )  # fmt: skip
+
+
+@dataclass
+class _Plan:
+    """One archived session to store, and what the target held under its name when checked."""
+
+    owner: str
+    session: ArchivedSession
+    prev: SessionManifest | None
+    """the target's manifest (expired ones too) before the import: put back if the import fails"""
+
+
+async def _write(store: StateStore, tar: _Archive, index: ArchiveIndex, p: _Plan, *, force: bool) -> None:
+    s = p.session
+    kv = torch.empty(store.spec.kv_shape(len(s.tokens)), dtype=store.spec.torch_dtype)
+    for i, name in enumerate([*s.chunks, *([s.tail] if s.tail else [])]):
+        a = i * s.chunk_tokens
+        b = min(a + s.chunk_tokens, len(s.tokens))
+        codec.decode_into(_member(tar, name, index), kv[:, :, a:b], key=name, fingerprint=store.fingerprint)
+    await store.for_tenant(p.owner).snapshot(
+        s.session_id, s.tokens, kv, s.state, ttl_seconds=s.ttl_seconds, pinned=s.pinned,
+        expected_version=p.prev.version if p.prev else 0, force=force,
+    )  # fmt: skip
+
+
+async def _undo(store: StateStore, plans: list[_Plan], exc: BaseException) -> None:
+    """Put back every session whose manifest is no longer the one the check saw (the one being
+    written too: it may have committed before a cancellation). Called with the replaced
+    versions' keys pinned. A step that fails is logged and noted on `exc`; the others still run."""
+    failed: list[str] = []
+    for p in reversed(plans):
+        sid = p.session.session_id
+        try:
+            now_at = await store.catalog.get(p.owner, sid)
+            if now_at == p.prev:
+                continue
+            if p.prev is None:
+                await store.for_tenant(p.owner).delete(sid)
+                continue
+            committed = await store.catalog.commit(p.prev, now_at.version if now_at else None)
+            await store.chunks.collect(committed.zeroed, store.catalog.refcounts)
+            if committed.old_tail and committed.old_tail != p.prev.tail_key:
+                await store.chunks.delete([committed.old_tail])
+        except Exception as undo_exc:  # noqa: BLE001 - keep undoing the rest, report at the end
+            log.error("import undo of session %s/%s failed: %s", p.owner, sid, undo_exc)
+            failed.append(f"{p.owner}/{sid} ({type(undo_exc).__name__}: {undo_exc})")
+    note = getattr(exc, "add_note", None)  # Python >= 3.11
+    if failed and note is not None:
+        note(f"import could not undo {len(failed)} sessions: {'; '.join(failed[:5])}")
 
 
 async def _check(
     store: StateStore, tar: _Archive, index: ArchiveIndex, targets: list[tuple[str, ArchivedSession]],
     *, force: bool, progress: Progress,
-) -> None:  # fmt: skip
-    """Every check import makes, before anything is written."""
+) -> list[_Plan]:  # fmt: skip
+    """Every check import makes, before anything is written; each session as `snapshot` checks it."""
     seen: set[tuple[str, str]] = set()
     tokens_of: dict[str, int] = {}
+    plans: list[_Plan] = []
     for owner, s in targets:
         try:
             validate_id(owner, "tenant")
@@ -255,8 +342,19 @@ async def _check(
             _expect(tokens_of, name, s.chunk_tokens)
         if s.tail:
             _expect(tokens_of, s.tail, len(s.tokens) % s.chunk_tokens)
-        if not force and await _exists(store.for_tenant(owner), s.session_id):
-            raise ConflictError(f"session {owner}/{s.session_id} exists in the target; pass --force to overwrite it")
+        prev = await store.catalog.get(owner, s.session_id)
+        _as_snapshot(store.for_tenant(owner), s, prev, force=force)
+        if prev is not None and not force:
+            if prev.fingerprint != store.fingerprint:
+                raise SpecMismatchError(
+                    f"session {owner}/{s.session_id} in the target holds state of spec {prev.fingerprint}; "
+                    "pass --force to replace it"
+                )
+            if not prev.expired():
+                raise ConflictError(
+                    f"session {owner}/{s.session_id} exists in the target; pass --force to overwrite it"
+                )
+        plans.append(_Plan(owner, s, prev))
     progress.start("check archive", len(tokens_of))
     for name, tokens in tokens_of.items():
         buf = _member(tar, name, index)
@@ -266,6 +364,30 @@ async def _check(
         except AgentStateError as exc:
             raise CorruptDataError(f"archive member {name} is not a valid chunk: {exc}") from None
         progress.advance()
+    return plans
+
+
+def _as_snapshot(scoped: StateStore, s: ArchivedSession, prev: SessionManifest | None, *, force: bool) -> None:
+    """Refuse (CorruptDataError) an archived session that `snapshot` would refuse, with snapshot's
+    own checks: token ids, state, options and the manifest it would commit."""
+    try:
+        packed = token_array(s.tokens)
+        state = _json_object(s.state)
+        _check_options(ttl_seconds=s.ttl_seconds, pinned=s.pinned, expected_version=None, force=force)
+        keys = scoped._keys(packed)
+        version = (prev.version if prev else 0) + 1
+        full = len(keys) * scoped.chunk_tokens
+        tkey = tail_key(scoped.fingerprint, scoped.tenant, s.session_id, version) if len(packed) > full else None
+        stamp = now()
+        _manifest_or_invalid(
+            session_id=s.session_id, tenant=scoped.tenant, fingerprint=scoped.fingerprint,
+            chunk_tokens=scoped.chunk_tokens, tokens=packed.tolist(), chunk_keys=keys, tail_key=tkey,
+            state=state, version=version, parent=prev.parent if prev else None,
+            created_at=prev.created_at if prev else stamp, updated_at=stamp,
+            ttl_seconds=s.ttl_seconds, pinned=s.pinned,
+        )  # fmt: skip
+    except InvalidArgumentError as exc:
+        raise CorruptDataError(f"archive session {scoped.tenant}/{s.session_id} would be refused: {exc}") from None
 
 
 def _expect(tokens_of: dict[str, int], name: str, tokens: int) -> None:
@@ -273,12 +395,31 @@ def _expect(tokens_of: dict[str, int], name: str, tokens: int) -> None:
         raise CorruptDataError(f"archive member {name} is named for {tokens_of[name]} and {tokens} tokens")
 
 
-async def _exists(store: StateStore, session_id: str) -> bool:
+@contextlib.contextmanager
+def new_directory_undone(path: Path) -> Iterator[None]:
+    """For an import into `path`: when `path` held no data directory (no catalog, no spec.json),
+    an exception leaves it as it was: removed if it did not exist, else without what was created
+    in it (top-level entries that were not there before). An existing data directory is left
+    alone: `import_sessions` undoes its own writes. Use it around the store's whole open-close."""
+    path = Path(path)
+    existed = path.exists()
+    if existed and ((path / "catalog").exists() or (path / "spec.json").exists()):
+        yield
+        return
+    before = set(os.listdir(path)) if existed and path.is_dir() else set()
     try:
-        await store.session(session_id)
-    except NotFoundError:
-        return False
-    return True
+        yield
+    except BaseException:
+        if not existed:
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.is_dir():
+            for name in set(os.listdir(path)) - before:
+                entry = path / name
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        raise
 
 
 class _Archive:
