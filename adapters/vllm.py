@@ -314,6 +314,7 @@ class AgentStateConnector(KVConnectorBase_V1):
             self.store: StateStore | None = None
             self.layout: BlockLayout | None = None
             self.planes: list[tuple[torch.Tensor, torch.Tensor]] = []
+            self.caches: list[torch.Tensor] = []
             self._server: LookupServer | None = None
             self._loading: dict[str, tuple[concurrent.futures.Future[set[int]], BlocksTarget, LoadJob, float]] = {}
             self._sending: dict[str, concurrent.futures.Future[None]] = {}
@@ -499,6 +500,7 @@ class AgentStateConnector(KVConnectorBase_V1):
         An unsupported layout leaves the connector off (logged): no hits, nothing stored."""
         try:
             self.layout, self.planes = self._layout(kv_caches)
+            self.caches = list(kv_caches.values())
             self.store = self._loop.run(self._open(), max(self.settings.timeout_s, 600.0))
         except Exception as exc:  # noqa: BLE001 - the engine runs on without the store
             self._failed("register_kv_caches", exc)
@@ -651,7 +653,10 @@ class AgentStateConnector(KVConnectorBase_V1):
 
     @never_raises(lambda *_, **__: None)
     def wait_for_save(self) -> None:
-        """Copy this step's completed, not yet stored chunks out of the blocks; write them behind."""
+        """Copy this step's completed, not yet stored chunks out of the blocks; write them behind.
+
+        On the step: dedupe against the index, then one copy of whole blocks as they lie (memcpy
+        speed). Behind it, on the store's loop: conversion to canonical KV, encode, write."""
         self._writes = [f for f in self._writes if not f.done()]
         if not self.has_connector_metadata() or self.store is None or self.layout is None:
             return
@@ -662,22 +667,23 @@ class AgentStateConnector(KVConnectorBase_V1):
         all_keys = [k for job in meta.saves for k in job.keys]
         present = self._loop.run(self._known(all_keys), self.settings.timeout_s)
         i = 0
-        c = self.chunk_tokens
+        per = self.chunk_tokens // self.block_size
         for job in meta.saves:
-            chunks: dict[int, torch.Tensor] = {}
+            todo: list[int] = []
             for j in job.chunks:
-                if not present[i] and self._pending + len(chunks) >= self.settings.max_pending_saves:
+                if not present[i] and self._pending + len(todo) >= self.settings.max_pending_saves:
                     self._count(saves_dropped=1)  # never stall the step behind a slow store: a later miss
                 elif not present[i]:
-                    out = self.spec.empty_kv(c)
-                    chunks[j] = gather(self.planes, job.block_ids, self.block_size, j * c, c, out, self.layout.orders)
+                    todo.append(j)
                 i += 1
-            if chunks:
+            if todo:
+                ids = [b for j in todo for b in job.block_ids[j * per : (j + 1) * per]]
+                raw = self.layout.copy_blocks(self.caches, ids)
                 with self._count_lock:
-                    self._pending += len(chunks)
+                    self._pending += len(todo)
                 view = self.store.for_tenant(job.tenant)
                 self._writes.append(
-                    asyncio.run_coroutine_threadsafe(self._write(view, job.tokens, chunks), self._loop.loop)
+                    asyncio.run_coroutine_threadsafe(self._write(view, job.tokens, todo, raw), self._loop.loop)
                 )
 
     async def _known(self, keys: list[str]) -> list[bool]:
@@ -685,15 +691,27 @@ class AgentStateConnector(KVConnectorBase_V1):
         missing = set(await store.chunks.missing(keys, durable=False)) if keys else set()
         return [i not in missing for i in range(len(keys))]
 
-    async def _write(self, view: StateStore, tokens: list[int], chunks: dict[int, torch.Tensor]) -> None:
+    def _canonical(self, todo: list[int], raw: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Canonical KV of each chunk in `todo`, from its blocks copied out as they lay (`raw`)."""
+        assert self.layout is not None
+        c, per = self.chunk_tokens, self.chunk_tokens // self.block_size
+        planes = [self.layout.planes(r) for r in raw]
+        out = {}
+        for k, j in enumerate(todo):
+            ids = list(range(k * per, (k + 1) * per))
+            out[j] = gather(planes, ids, self.block_size, 0, c, self.spec.empty_kv(c), self.layout.orders)
+        return out
+
+    async def _write(self, view: StateStore, tokens: list[int], todo: list[int], raw: list[torch.Tensor]) -> None:
         try:
+            chunks = await asyncio.to_thread(self._canonical, todo, raw)
             stored = await view.put_chunks(tokens, chunks)
             self._count(stored_tokens=stored)
         except Exception as exc:  # noqa: BLE001 - a lost save is a later miss
             self._failed("save", exc)
         finally:
             with self._count_lock:
-                self._pending -= len(chunks)
+                self._pending -= len(todo)
 
     # -- sessions ----------------------------------------------------------------------------------
 

@@ -133,6 +133,9 @@ def test_cpu_layout_round_trip() -> None:
     target = BlocksTarget(planes, blocks, bs, first=0, num_tokens=3 * bs)
     target.write(0, src)
     assert torch.equal(gather(planes, blocks, bs, 0, 3 * bs, torch.empty_like(src)), src)
+    assert torch.equal(gather(planes, blocks, bs, 0, 3 * bs, torch.empty_like(src), lay.orders), src)
+    raw = lay.copy_blocks(caches, blocks)  # blocks as they lie, read back through the same layout
+    assert torch.equal(gather([lay.planes(r) for r in raw], [0, 1, 2], bs, 0, 3 * bs, torch.empty_like(src)), src)
     # token t of block 1's first position, head 0, dim 3: K at [d=3, t], V at [t, d=3]
     flat = caches[0][4, 0].reshape(-1)
     assert flat[3 * bs + 0] == src[0, 0, 0, 0, 3] and flat[bs * d + 0 * d + 3] == src[0, 1, 0, 0, 3]
