@@ -301,7 +301,8 @@ async def test_import_onto_a_full_disk_is_a_capacity_error_and_changes_nothing(
     async with StateStore.open(config(target), SPEC4) as store:  # the target still takes writes
         tokens, kv, _ = target_sessions()[("default", "s1")]
         await store.snapshot("after", tokens, kv)
-        assert bits_equal((await store.resume("after")).kv, kv)
+        resumed = (await store.resume("after")).kv
+        assert resumed is not None and bits_equal(resumed, kv)
 
 
 async def test_cli_import_of_a_bad_archive_into_a_new_directory_leaves_none(tmp_path: Path) -> None:
