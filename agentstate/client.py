@@ -7,12 +7,20 @@
 Same models as the service (`agentstate.wire`, `agentstate.manifest`); KV travels as binary
 frames, never JSON numbers or pickle. Error responses are raised as the `agentstate.errors` type
 their code names (SessionNotFoundError, SpecMismatchError, ConflictError, ...).
+
+A 503 that says the service had no room for the request (`overloaded`, or uvicorn's connection
+limit) is retried: up to `retries` more times, waiting the answer's Retry-After, else an
+exponential backoff from `retry_backoff_s`, each wait at most `retry_max_wait_s` (with jitter).
+Such a request was refused before anything was read or stored, so retrying it is always safe;
+other errors, a backend outage's 503 included, are raised at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import builtins
-from collections.abc import AsyncIterator, Sequence
+import random
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -76,10 +84,16 @@ class AsyncClient:
         spec: ModelSpec | None = None,
         timeout: float | httpx.Timeout = 60.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        retries: int = 6,
+        retry_backoff_s: float = 0.1,
+        retry_max_wait_s: float = 5.0,
     ) -> None:
         headers = {"authorization": f"Bearer {token}"}
         self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, transport=transport)
         self._spec = spec
+        self.retries, self.retry_backoff_s, self.retry_max_wait_s = retries, retry_backoff_s, retry_max_wait_s
+        self.retried = 0
+        """503 overloaded answers retried so far (all calls)"""
 
     async def __aenter__(self) -> Self:
         return self
@@ -92,28 +106,59 @@ class AsyncClient:
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    async def _call(
+        self, method: str, path: str, *, content: Callable[[], Any] | None = None, **kw: Any
+    ) -> httpx.Response:
+        """One request; `content` makes its body afresh for each try (a stream is sent once)."""
+        for attempt in range(self.retries + 1):
+            try:
+                body = {"content": content()} if content is not None else {}
+                response = await self._http.request(method, path, **body, **kw)
+            except httpx.TransportError as exc:
+                raise BackendError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+            if response.is_error:
+                if attempt < self.retries and await self._wait_if_busy(response, attempt):
+                    continue
+                raise _error(response)
+            return response
+        raise AssertionError("unreachable")
+
+    async def _wait_if_busy(self, response: httpx.Response, attempt: int) -> bool:
+        """Whether `response` is a refusal for want of room (then after waiting to retry it)."""
+        if response.status_code != 503:
+            return False
         try:
-            response = await self._http.request(method, path, **kw)
-        except httpx.TransportError as exc:
-            raise BackendError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
-        if response.is_error:
-            raise _error(response)
-        return response
+            code = response.json().get("error")
+        except (ValueError, AttributeError):
+            code = None  # not the service's error body: uvicorn's connection limit
+        if code not in (None, "overloaded"):
+            return False
+        after = response.headers.get("retry-after", "")
+        wait = float(after) if after.isascii() and after.isdigit() else self.retry_backoff_s * 2**attempt
+        wait = min(max(wait, self.retry_backoff_s), self.retry_max_wait_s) * random.uniform(1.0, 1.25)
+        self.retried += 1
+        await asyncio.sleep(wait)
+        return True
 
     async def _json(self, model: type[M], method: str, path: str, **kw: Any) -> M:
         return _parse(model, (await self._call(method, path, **kw)).content)
 
     async def _frame(self, header_type: type[H], path: str, **kw: Any) -> tuple[H, torch.Tensor]:
         """POST, and read the frame it answers straight into one buffer the returned tensor owns."""
-        try:
-            async with self._http.stream("POST", path, **kw) as response:
-                if response.is_error:
-                    await response.aread()
-                    raise _error(response)
-                buf = await _body(response)
-        except httpx.TransportError as exc:
-            raise BackendError(f"POST {path}: {type(exc).__name__}: {exc}") from exc
+        for attempt in range(self.retries + 1):
+            try:
+                async with self._http.stream("POST", path, **kw) as response:
+                    if response.is_error:
+                        await response.aread()
+                    else:
+                        buf = await _body(response)
+            except httpx.TransportError as exc:
+                raise BackendError(f"POST {path}: {type(exc).__name__}: {exc}") from exc
+            if not response.is_error:
+                break
+            if attempt < self.retries and await self._wait_if_busy(response, attempt):
+                continue
+            raise _error(response)
         try:
             head, payload = split_frame(buf, _MAX_HEADER)
             header = _parse(header_type, head)
@@ -132,7 +177,7 @@ class AsyncClient:
                 yield payload[i : i + _STEP]
 
         headers = {"content-type": FRAME_TYPE, "content-length": str(len(prefix) + len(payload))}
-        return await self._call("POST", path, content=body(), headers=headers)
+        return await self._call("POST", path, content=body, headers=headers)
 
     async def _kv_header(self, kv: torch.Tensor, tokens: int) -> dict[str, Any]:
         spec = await self.spec()
@@ -237,7 +282,8 @@ class AsyncClient:
         if isinstance(chunk, torch.Tensor):
             chunk = await self.encode_chunk(handle, chunk)
         path = f"/v1/chunks/{quote(handle, safe='')}"
-        response = await self._call("PUT", path, content=bytes(chunk), headers={"content-type": CHUNK_TYPE})
+        raw = bytes(chunk)
+        response = await self._call("PUT", path, content=lambda: raw, headers={"content-type": CHUNK_TYPE})
         return _parse(ChunkStored, response.content).stored
 
     async def chunk_key(self, handle: str) -> str:

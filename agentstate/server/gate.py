@@ -6,6 +6,25 @@ is answered 401 without its body being read, and a body over its limit is refuse
 Content-Length alone, or, when it streams past the limit (chunked, or lying), as soon as it does:
 whatever the route would have answered is replaced by the 413. Routes store nothing until they
 hold the whole body, so a refused request changes nothing.
+
+What the service holds under load is bounded:
+
+- Bodies are read as they arrive: the buffer grows with the bytes received, never with what
+  Content-Length declares, and the whole body must arrive within `body_timeout_s` of the request
+  reaching the gate (else 400 `malformed`, BodyTimeoutError, and the connection is closed
+  without reading further).
+- A request's head (request line and headers) must arrive within `header_timeout_s` of the
+  connection opening or of the previous response, else the connection is closed: uvicorn has no
+  such timeout, so `guarded_h11` adds it to uvicorn's h11 protocol. Its size is bounded by h11
+  (`h11_max_incomplete_event_size`, 16 KiB), idle connections by `keep_alive_s`, connections and
+  requests in flight by `max_connections` (uvicorn's `limit_concurrency`: 503 beyond it).
+- KV in flight (upload bodies, resume/load frames, single chunks) draws on one byte budget,
+  `max_inflight_bytes`: an upload reserves its Content-Length before its body is read (a body
+  without one, as it arrives), a route that answers KV reserves its size before it reads
+  anything; what does not fit is answered 503 `overloaded` with `Retry-After` (OverloadedError),
+  having read and stored nothing. Reservations end when the answer has been sent. One request
+  larger than the whole budget is let in when nothing else is in flight (else it could never be
+  served), so memory held for KV is at most max(budget, the largest single request).
 """
 
 from __future__ import annotations
@@ -13,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import os
 import re
 import secrets
 import time
@@ -25,7 +45,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from agentstate.errors import AgentStateError, InvalidArgumentError
+from agentstate.errors import AgentStateError, BackendError, InvalidArgumentError
 from agentstate.keys import validate_id
 from agentstate.server.metrics import Metrics
 from agentstate.store import StateStore
@@ -42,6 +62,7 @@ from agentstate.wire import (
 )
 
 TENANT_KEY = "agentstate.tenant"
+TICKET_KEY = "agentstate.ticket"
 _BINARY = re.compile(r"/v1/(sessions/[^/]+/snapshot|prefixes|chunks/[^/]+)")
 _STEP = 1 << 20
 
@@ -64,10 +85,90 @@ class Limits(BaseSettings):
     drain_bytes: int = Field(
         default=64 << 20, ge=0, description="of a refused body, read and dropped so the client gets the answer"
     )
+    body_timeout_s: float = Field(default=30.0, gt=0, description="a request body must arrive whole within this")
+    header_timeout_s: float = Field(
+        default=10.0, gt=0, description="a request head must arrive within this of the connection or the last answer"
+    )
+    keep_alive_s: int = Field(default=5, gt=0, description="idle keep-alive connections are closed after this")
+    max_connections: int | None = Field(
+        default=1000, gt=0, description="connections or requests in flight beyond which uvicorn answers 503"
+    )
+    max_inflight_bytes: int = Field(
+        default_factory=lambda: _default_inflight(), gt=0,
+        description="KV bytes in flight (uploads, resumes, chunks) beyond which requests get 503 + Retry-After;"
+        " default: a quarter of RAM, at most 2 GiB",
+    )  # fmt: skip
+    retry_after_s: int = Field(default=1, ge=0, description="the Retry-After of a 503 overloaded answer")
 
     def secret(self) -> bytes:
         raw = self.handle_secret.encode() if self.handle_secret else secrets.token_bytes(32)
         return hashlib.blake2b(raw, digest_size=32, person=b"agentstate-hsec").digest()
+
+
+def _default_inflight() -> int:
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 8 << 30
+    return max(64 << 20, min(2 << 30, ram // 4))
+
+
+class OverloadedError(BackendError):
+    """The service has no room for this request now (KV bytes in flight at their limit); nothing
+    was read or stored. Answered 503 `overloaded` with Retry-After; retrying later may succeed."""
+
+    retryable = True
+
+
+class BodyTimeoutError(MalformedRequestError):
+    """The request body did not arrive whole within the service's body deadline."""
+
+
+class Budget:
+    """KV bytes in flight across the service (one event loop: no lock needed)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def take(self, n: int) -> bool:
+        if n > 0 and self.used > 0 and self.used + n > self.limit:
+            return False  # one request over the whole budget gets in when nothing else is in flight
+        self.used += max(n, 0)
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+class Ticket:
+    """One request's share of the budget, given back when its answer has been sent."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget, self.held = budget, 0
+
+    def take(self, n: int, what: str) -> None:
+        if not self.budget.take(n):
+            raise OverloadedError(
+                f"service busy: {what} needs {n} bytes, {self.budget.used} of {self.budget.limit} are in flight"
+            )
+        self.held += max(n, 0)
+
+    def force(self, n: int) -> None:
+        """Count `n` bytes already held (an answer being sent), over the limit if need be."""
+        self.budget.used += n
+        self.held += n
+
+    def release(self) -> None:
+        self.budget.give(self.held)
+        self.held = 0
+
+
+def admit(request: Request, nbytes: int, what: str) -> None:
+    """Reserve `nbytes` of KV in flight for this request (until its answer is sent), or raise
+    OverloadedError (503 + Retry-After) before the route reads or allocates anything."""
+    ticket = request.scope.get(TICKET_KEY)
+    if ticket is not None:
+        ticket.take(nbytes, what)
 
 
 def tenant_table(tokens: dict[str, str]) -> dict[bytes, str]:
@@ -100,20 +201,27 @@ def _same(token: str | None, expected: str) -> bool:
     return token is not None and hmac.compare_digest(token.encode(), expected.encode())
 
 
-def error_response(exc: AgentStateError, *, close: bool = False) -> JSONResponse:
+def error_response(exc: AgentStateError, *, close: bool = False, retry_after: int = 1) -> JSONResponse:
     status, code = status_of(exc)
     headers = {"www-authenticate": "Bearer"} if status == 401 else {}
+    if isinstance(exc, OverloadedError):
+        code, headers["retry-after"] = "overloaded", str(retry_after)
     if close:
         headers["connection"] = "close"
     return JSONResponse(ErrorBody(error=code, detail=str(exc)).model_dump(), status_code=status, headers=headers)
 
 
 class Gate:
-    def __init__(self, app: ASGIApp, *, tokens: dict[str, str], limits: Limits, metrics: Metrics) -> None:
+    def __init__(
+        self, app: ASGIApp, *, tokens: dict[str, str], limits: Limits, metrics: Metrics, chunk_bytes: int = 0
+    ) -> None:
         self.app = app
         self.tenants = tenant_table(tokens)
         self.limits = limits
         self.metrics = metrics
+        self.budget = Budget(limits.max_inflight_bytes)
+        self.chunk_bytes = chunk_bytes
+        """what a chunk GET answers (reserved before the route runs)"""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -124,6 +232,7 @@ class Gate:
         try:
             await call.run()
         finally:
+            call.ticket.release()
             route = scope.get("route")
             label = getattr(route, "path", None) or ("rejected" if call.rejected else "unmatched")
             self.metrics.observe(scope["method"], label, call.status, time.perf_counter() - start, call.received)
@@ -140,7 +249,12 @@ class _Call:
         headers = Headers(scope=scope)
         self.declared = headers.get("content-length")
         self.body_done = self.declared == "0" or (self.declared is None and "transfer-encoding" not in headers)
-        self.overflow = self.replaced = self.started = self.rejected = False
+        self.replaced = self.started = self.rejected = self.timed_out = self.metered = False
+        self.refusal: AgentStateError | None = None
+        """set when the body broke a limit (size, budget) while the route read it"""
+        self.ticket = Ticket(gate.budget)
+        scope[TICKET_KEY] = self.ticket
+        self.deadline = time.monotonic() + gate.limits.body_timeout_s
 
     async def run(self) -> None:
         path, headers, limits = self.scope["path"], Headers(scope=self.scope), self.gate.limits
@@ -157,10 +271,18 @@ class _Call:
         if self.declared is not None and (not _digits(self.declared) or int(self.declared) > self.limit):
             bad = not _digits(self.declared)
             return await self.reject(MalformedRequestError("bad Content-Length") if bad else self._too_large())
+        self.metered = self.limit == limits.max_body_bytes  # a KV upload: its body draws on the budget
+        try:
+            if self.metered and self.declared is not None:
+                self.ticket.take(int(self.declared), "this upload")
+            elif self.scope["method"] == "GET" and path.startswith("/v1/chunks/"):
+                self.ticket.take(self.gate.chunk_bytes, "a chunk")
+        except OverloadedError as exc:
+            return await self.reject(exc)
         try:
             await self.gate.app(self.scope, self.receive, self.send)
-        except RequestTooLargeError as exc:
-            if self.started:
+        except (RequestTooLargeError, OverloadedError) as exc:
+            if self.started or exc is not self.refusal:
                 raise
             await self.reject(exc)
 
@@ -171,7 +293,7 @@ class _Call:
         """Answer `exc` in place of the route."""
         self.rejected = self.started = True
         close = await self._drain()
-        response = error_response(exc, close=close)
+        response = error_response(exc, close=close, retry_after=self.gate.limits.retry_after_s)
         self.status = response.status_code
         await response(self.scope, self._receive, self._send)
 
@@ -182,22 +304,44 @@ class _Call:
         if self.body_done:
             return False
         budget = self.gate.limits.drain_bytes
-        if self.declared is not None and _digits(self.declared) and int(self.declared) - self.received > budget:
+        if self.timed_out or (
+            self.declared is not None and _digits(self.declared) and int(self.declared) - self.received > budget
+        ):
             return True
         while not self.body_done and budget > 0:
-            message = await self._receive()
+            try:
+                message = await _within(self.deadline, self._receive())
+            except asyncio.TimeoutError:
+                self.timed_out = True
+                return True
             budget -= len(message.get("body", b""))
             self.body_done = message["type"] != "http.request" or not message.get("more_body", False)
         return True
 
     async def receive(self) -> Message:
-        message = await self._receive()
+        if self.body_done:  # nothing more to read: wait for a disconnect as the ASGI server would
+            return await self._receive()
+        try:
+            message = await _within(self.deadline, self._receive())
+        except asyncio.TimeoutError:
+            self.timed_out = True
+            raise BodyTimeoutError(
+                f"request body incomplete after {self.gate.limits.body_timeout_s:g} s"
+                f" ({self.received} bytes of {self.declared or 'a chunked body'})"
+            ) from None
         if message["type"] == "http.request":
-            self.received += len(message.get("body", b""))
+            size = len(message.get("body", b""))
+            self.received += size
             self.body_done = not message.get("more_body", False)
             if self.received > self.limit:
-                self.overflow = True
-                raise self._too_large()
+                self.refusal = self._too_large()
+                raise self.refusal
+            if self.metered and self.declared is None:
+                try:
+                    self.ticket.take(size, "this upload")
+                except OverloadedError as exc:
+                    self.refusal = exc
+                    raise
         else:
             self.body_done = True
         return message
@@ -206,18 +350,33 @@ class _Call:
         if self.replaced:
             return
         if message["type"] == "http.response.start":
-            if self.overflow:  # the route answered something else about a body it never got whole
+            if self.refusal is not None:  # the route answered something else about a body it never got whole
                 self.replaced = True
-                await self.reject(self._too_large())
+                await self.reject(self.refusal)
                 return
             self.status, self.started = message["status"], True
+            if not self.ticket.held:  # KV answered by a route that reserved nothing: counted while it is sent
+                length = Headers(raw=message.get("headers", [])).get("content-length", "")
+                self.ticket.force(int(length) if _digits(length) and int(length) > _STEP else 0)
             if await self._drain():
                 message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
         await self._send(message)
 
 
+async def _within(deadline: float, aw: Any) -> Any:
+    """`await aw`, or asyncio.TimeoutError once `time.monotonic()` passes `deadline` (no task per
+    call where asyncio.timeout exists: bodies arrive in many small messages)."""
+    remaining = max(deadline - time.monotonic(), 0.0)
+    timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
+    if timeout is None:
+        return await asyncio.wait_for(aw, remaining)
+    async with timeout(remaining):
+        return await aw
+
+
 async def read_body(request: Request) -> bytearray:
-    """The whole body (the gate has bounded it), into one buffer sized from Content-Length.
+    """The whole body (the gate has bounded its size and time), into one buffer that grows with
+    the bytes received: a Content-Length is checked, never allocated ahead.
 
     A client that goes away mid-body is MalformedRequestError, like any incomplete body (the
     answer reaches nobody, but the request is logged and counted as the 400 it is, not a 500)."""
@@ -229,18 +388,13 @@ async def read_body(request: Request) -> bytearray:
 
 async def _read_body(request: Request) -> bytearray:
     declared = request.headers.get("content-length")
-    if declared is None:
-        buf = bytearray()
-        async for part in request.stream():
-            buf += part
-        return buf
-    buf, pos = bytearray(int(declared)), 0
+    size = int(declared) if declared is not None and _digits(declared) else None
+    buf = bytearray()
     async for part in request.stream():
-        if pos + len(part) > len(buf):
+        if size is not None and len(buf) + len(part) > size:
             raise MalformedRequestError("body longer than its Content-Length")
-        buf[pos : pos + len(part)] = part
-        pos += len(part)
-    if pos != len(buf):
+        buf += part
+    if size is not None and len(buf) != size:
         raise MalformedRequestError("body shorter than its Content-Length")
     return buf
 
@@ -287,3 +441,51 @@ class ServiceContext:
         if view is None:
             view = self._views[tenant] = self.store.for_tenant(tenant)
         return view
+
+
+def guarded_h11(header_timeout_s: float) -> type[Any]:
+    """uvicorn's h11 protocol with a deadline on request heads: the request line and headers must
+    arrive within `header_timeout_s` of the connection opening or of the previous answer, else
+    the connection is closed (uvicorn itself waits forever for a head that stalls, and its
+    keep-alive timer only runs while no byte of the next request has come). A request in
+    progress is never cut by it: bodies have the gate's deadline."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):  # type: ignore[misc]
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:  # a request's head arrived
+                self._disarm_head()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self._arm_head()
+
+        def _arm_head(self) -> None:
+            self._disarm_head()
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_late)
+
+        def _disarm_head(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self.cycle is None or self.cycle.response_complete:
+                self.logger.info("closing a connection: no complete request head within %g s", header_timeout_s)
+                self.transport.close()
+
+    return GuardedH11Protocol

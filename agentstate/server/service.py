@@ -5,6 +5,10 @@ views. A bearer token maps to a tenant; every `/v1` route acts as that tenant on
 tenant's session is 404 exactly like one that never existed (never 403: existence does not
 leak). KV travels as binary frames (`agentstate.wire`), chunks in the codec format
 (`agentstate.server.dataplane`). Ops routes: `/healthz`, `/metrics` (Prometheus text), `/openapi.json`.
+
+Under load (see `agentstate.server.gate`): request heads and bodies have deadlines, connections a
+cap, and KV in flight a byte budget; a resume reserves its session's size before it reads a chunk,
+and what does not fit is answered 503 `overloaded` with Retry-After (the SDK retries it).
 """
 
 import asyncio
@@ -25,12 +29,23 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from agentstate.ops.admin import record_spec, recorded_spec
+from agentstate import codec
 from agentstate.config import StoreConfig
-from agentstate.server.dataplane import Handles, register
 from agentstate.errors import AgentStateError, InvalidArgumentError
-from agentstate.server.gate import Gate, Limits, ServiceContext, error_response, frame_response, off_loop, read_body
 from agentstate.manifest import SessionManifest
+from agentstate.ops.admin import record_spec, recorded_spec
+from agentstate.server.dataplane import Handles, register
+from agentstate.server.gate import (
+    Gate,
+    Limits,
+    ServiceContext,
+    admit,
+    error_response,
+    frame_response,
+    guarded_h11,
+    off_loop,
+    read_body,
+)
 from agentstate.server.metrics import CONTENT_TYPE, Metrics
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
@@ -55,7 +70,7 @@ DEMO_SPEC = ModelSpec(model_id="agentstate/demo-llama-8b-shape", num_layers=32, 
 _FRAME_BODY = {
     "requestBody": {"required": True, "content": {FRAME_TYPE: {"schema": {"type": "string", "format": "binary"}}}}
 }
-_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorBody} for s in (401, 404, 409, 413, 422)}
+_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorBody} for s in (401, 404, 409, 413, 422, 503)}
 
 
 def create_app(store: StateStore, tokens: dict[str, str], limits: Limits | None = None) -> FastAPI:
@@ -66,7 +81,8 @@ def create_app(store: StateStore, tokens: dict[str, str], limits: Limits | None 
     app = FastAPI(
         title="agentstate", version="0.1.0", summary="Session resume service for LLM KV state", responses=_ERRORS
     )
-    app.add_middleware(Gate, tokens=tokens, limits=limits, metrics=metrics)
+    chunk_bytes = codec.encoded_size(store.chunk_tokens * store.spec.token_bytes)
+    app.add_middleware(Gate, tokens=tokens, limits=limits, metrics=metrics, chunk_bytes=chunk_bytes)
     _handlers(app)
     _sessions(app, ctx)
     register(app, ctx, Handles(limits.secret()))
@@ -151,8 +167,11 @@ def _sessions(app: FastAPI, ctx: ServiceContext) -> None:
         return SessionInfo.of(manifest)
 
     @app.post("/v1/sessions/{session_id}/resume", tags=["sessions"], responses={200: {"content": {FRAME_TYPE: {}}}})
-    async def resume(session_id: str, store: Store) -> Response:
-        """The session as a frame: ResumeHeader (manifest, restored_tokens) + KV of the restored tokens."""
+    async def resume(session_id: str, request: Request, store: Store) -> Response:
+        """The session as a frame: ResumeHeader (manifest, restored_tokens) + KV of the restored tokens.
+        503 `overloaded` (Retry-After) when the service has no room for its KV now."""
+        size = (await store.session(session_id)).num_tokens * store.spec.token_bytes
+        admit(request, size, f"session {session_id}")
         result = await store.resume(session_id)
         assert result.kv is not None  # no `into`: the store allocates the tensor
         header = ResumeHeader(
@@ -191,13 +210,23 @@ async def serve(
 
     async with StateStore.open(config, spec) as store:
         app = create_app(store, tokens, limits)
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, lifespan="off", log_level="info"))
+        server = uvicorn.Server(uvicorn_config(app, limits or Limits(), host=host, port=port))
         log.info(
             "serving %s (spec %s) on http://%s:%d, %d tokens", config.path, spec.fingerprint, host, port, len(tokens)
         )
         with _signals_caught():
             await server.serve()
         log.info("stopped serving %s; closing the store", config.path)
+
+
+def uvicorn_config(app: Any, limits: Limits, **kw: Any) -> Any:
+    """uvicorn settings that bound what a client can hold: keep-alive, connections, head deadline."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app, lifespan="off", log_level="info", http=guarded_h11(limits.header_timeout_s),
+        timeout_keep_alive=limits.keep_alive_s, limit_concurrency=limits.max_connections, **kw,
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
