@@ -281,13 +281,15 @@ def test_library_sees_what_vllm_stored(library: bool) -> None:
 
 @pytest.fixture(scope="module")
 def again(tmp: Path, model: str, data: Path, library: bool) -> dict[str, Any]:
-    rounds = [[req(P1), req(P2), req(P4), req(P3)], [req(P3)]]
+    # round 1: Q shares P3's first block (not its first chunk), so P3's local hit (128) ends inside a
+    # chunk: the load writes only the chunk's tokens past it
+    rounds = [[req(P1), req(P2), req(P4), req(P3)], [req(P3[:200] + toks(100, 8)), req(P3)]]
     job = {"model": model, "connector": {"path": str(data)}, "rounds": rounds, "chunked_prefill": True}
     return run_engine(tmp, "again", job)
 
 
 def test_new_engine_process_chunked_prefill(base: dict[str, Any], again: dict[str, Any]) -> None:
-    (p1, p2, p4, p3), (p3b,) = again["rounds"]
+    (p1, p2, p4, p3), (_, p3b) = again["rounds"]
     assert p1["cached"] == 512 and p1["tokens"] == base["P1"]["tokens"]
     assert p4["cached"] == 512 and p4["tokens"] == base["P4"]["tokens"]  # stored by transformers
     assert p3["cached"] == 0 and p3b["cached"] == 768
