@@ -29,7 +29,7 @@ from agentstate.wire import ResumeHeader, split_frame
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 
 TOKEN = "limits-token-0123456789"
-BODY_TIMEOUT = HEAD_TIMEOUT = 2.0
+BODY_TIMEOUT = HEAD_TIMEOUT = SEND_TIMEOUT = 2.0
 BUDGET = 24 << 20
 BIG = 4096  # tokens: 8 MiB of SPEC4 KV, three fit in the budget
 
@@ -67,6 +67,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "AGENTSTATE_CHUNK_TOKENS": "256",
         "AGENTSTATE_SERVICE_BODY_TIMEOUT_S": str(BODY_TIMEOUT),
         "AGENTSTATE_SERVICE_HEADER_TIMEOUT_S": str(HEAD_TIMEOUT),
+        "AGENTSTATE_SERVICE_SEND_TIMEOUT_S": str(SEND_TIMEOUT),
         "AGENTSTATE_SERVICE_MAX_INFLIGHT_BYTES": str(BUDGET),
         "AGENTSTATE_SERVICE_RETRY_AFTER_S": "1",
     }
@@ -114,6 +115,10 @@ def upload_head(sid: str, length: int) -> bytes:
 async def answer(reader: asyncio.StreamReader, within: float) -> bytes:
     """Everything the server sends until it closes the connection (or `within` s pass: a failure)."""
     return await asyncio.wait_for(reader.read(), within)
+
+
+def inflight(server: Server) -> int:
+    return int(httpx.get(f"{server.url}/healthz").json()["inflight_bytes"])
 
 
 async def stored(server: Server) -> list[tuple[str, int]]:
@@ -224,6 +229,26 @@ async def test_the_sdk_retries_a_503_until_capacity_frees(server: Server) -> Non
     assert (await answer(hog, BODY_TIMEOUT + 3)).startswith(b"HTTP/1.1 400")
     hog_writer.close()
     assert await stored(server) == before_sessions  # neither "hog" nor "refused" exists
+    assert inflight(server) == 0
+
+
+async def test_a_client_that_stops_reading_its_answer_is_dropped(server: Server) -> None:
+    """A resume nobody reads holds its share of the budget for at most the send deadline."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    sock.connect(("127.0.0.1", server.port))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    head = f"POST /v1/sessions/big/resume HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n"
+    writer.write(head.encode())
+    await writer.drain()
+    await asyncio.sleep(0.5)
+    assert inflight(server) >= BIG * SPEC4.token_bytes  # the resume holds its 8 MiB while stuck
+    await asyncio.sleep(SEND_TIMEOUT + 1)
+    assert inflight(server) == 0  # dropped, its reservation given back
+    got = await answer(reader, 5)  # what was buffered, then the close
+    assert got.startswith(b"HTTP/1.1 200") and len(got) < BIG * SPEC4.token_bytes
+    writer.close()
 
 
 def test_refused_requests_left_nothing_behind(server: Server) -> None:

@@ -25,6 +25,9 @@ What the service holds under load is bounded:
   having read and stored nothing. Reservations end when the answer has been sent. One request
   larger than the whole budget is let in when nothing else is in flight (else it could never be
   served), so memory held for KV is at most max(budget, the largest single request).
+- A client that stops reading its answer cannot hold its reservation for long: each part of an
+  answer (1 MiB of a frame) must be taken within `send_timeout_s`, else the connection is dropped
+  (ResponseStalledError, logged by uvicorn) and the reservation given back.
 """
 
 from __future__ import annotations
@@ -99,6 +102,9 @@ class Limits(BaseSettings):
         " default: a quarter of RAM, at most 2 GiB",
     )  # fmt: skip
     retry_after_s: int = Field(default=1, ge=0, description="the Retry-After of a 503 overloaded answer")
+    send_timeout_s: float = Field(
+        default=30.0, gt=0, description="each part of an answer must be taken by the client within this"
+    )
 
     def secret(self) -> bytes:
         raw = self.handle_secret.encode() if self.handle_secret else secrets.token_bytes(32)
@@ -124,14 +130,19 @@ class BodyTimeoutError(MalformedRequestError):
     """The request body did not arrive whole within the service's body deadline."""
 
 
+class ResponseStalledError(AgentStateError):
+    """The client stopped taking its answer (a part was not sent within `send_timeout_s`)."""
+
+
 class Budget:
     """KV bytes in flight across the service (one event loop: no lock needed)."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.used = limit, 0
 
-    def take(self, n: int) -> bool:
-        if n > 0 and self.used > 0 and self.used + n > self.limit:
+    def take(self, n: int, mine: int = 0) -> bool:
+        """Reserve `n` more bytes for a request already holding `mine`."""
+        if n > 0 and self.used > mine and self.used + n > self.limit:
             return False  # one request over the whole budget gets in when nothing else is in flight
         self.used += max(n, 0)
         return True
@@ -147,7 +158,7 @@ class Ticket:
         self.budget, self.held = budget, 0
 
     def take(self, n: int, what: str) -> None:
-        if not self.budget.take(n):
+        if not self.budget.take(n, self.held):
             raise OverloadedError(
                 f"service busy: {what} needs {n} bytes, {self.budget.used} of {self.budget.limit} are in flight"
             )
@@ -213,13 +224,14 @@ def error_response(exc: AgentStateError, *, close: bool = False, retry_after: in
 
 class Gate:
     def __init__(
-        self, app: ASGIApp, *, tokens: dict[str, str], limits: Limits, metrics: Metrics, chunk_bytes: int = 0
-    ) -> None:
+        self, app: ASGIApp, *, tokens: dict[str, str], limits: Limits, metrics: Metrics, chunk_bytes: int = 0,
+        budget: Budget | None = None,
+    ) -> None:  # fmt: skip
         self.app = app
         self.tenants = tenant_table(tokens)
         self.limits = limits
         self.metrics = metrics
-        self.budget = Budget(limits.max_inflight_bytes)
+        self.budget = budget or Budget(limits.max_inflight_bytes)
         self.chunk_bytes = chunk_bytes
         """what a chunk GET answers (reserved before the route runs)"""
 
@@ -360,7 +372,11 @@ class _Call:
                 self.ticket.force(int(length) if _digits(length) and int(length) > _STEP else 0)
             if await self._drain():
                 message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
-        await self._send(message)
+        timeout = self.gate.limits.send_timeout_s
+        try:
+            await _within(time.monotonic() + timeout, self._send(message))
+        except asyncio.TimeoutError:
+            raise ResponseStalledError(f"the client took no part of its answer for {timeout:g} s") from None
 
 
 async def _within(deadline: float, aw: Any) -> Any:

@@ -36,6 +36,7 @@ from agentstate.manifest import SessionManifest
 from agentstate.ops.admin import record_spec, recorded_spec
 from agentstate.server.dataplane import Handles, register
 from agentstate.server.gate import (
+    Budget,
     Gate,
     Limits,
     ServiceContext,
@@ -82,14 +83,16 @@ def create_app(store: StateStore, tokens: dict[str, str], limits: Limits | None 
         title="agentstate", version="0.1.0", summary="Session resume service for LLM KV state", responses=_ERRORS
     )
     chunk_bytes = codec.encoded_size(store.chunk_tokens * store.spec.token_bytes)
-    app.add_middleware(Gate, tokens=tokens, limits=limits, metrics=metrics, chunk_bytes=chunk_bytes)
+    budget = Budget(limits.max_inflight_bytes)
+    app.add_middleware(Gate, tokens=tokens, limits=limits, metrics=metrics, chunk_bytes=chunk_bytes, budget=budget)
     _handlers(app)
     _sessions(app, ctx)
     register(app, ctx, Handles(limits.secret()))
 
     @app.get("/healthz", tags=["ops"])
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok", "fingerprint": store.fingerprint}
+    async def healthz() -> dict[str, str | int]:
+        """Up, the spec served, and the KV bytes in flight now (of `max_inflight_bytes`)."""
+        return {"status": "ok", "fingerprint": store.fingerprint, "inflight_bytes": budget.used}
 
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
     async def prometheus() -> Response:
