@@ -236,6 +236,10 @@ def library(conn: dict[str, Any], data: Path, model: str) -> bool:
                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert ls.returncode == 0, ls.stderr
     assert "agent-1" in ls.stdout
+    for args in (["inspect", "agent-1"], ["verify"]):  # every chunk vLLM wrote decodes and checks
+        cli = subprocess.run([sys.executable, "-m", "agentstate", *args, "--path", str(data), "--json"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert cli.returncode == 0, (args, cli.stdout[-2000:], cli.stderr[-2000:])
     s2 = conn["rounds"][1][2]
     turn2 = s2["prompt"] + s2["tokens"][:-1]
 
@@ -252,6 +256,9 @@ def library(conn: dict[str, Any], data: Path, model: str) -> bool:
             ref_kv = hf.cache_to_kv(ref, spec)
             assert torch.allclose(res.kv, ref_kv, atol=1e-4, rtol=1e-4)  # type: ignore[arg-type]
             # resume in transformers and continue: identical to transformers' own prefill
+            fork = await store.fork("agent-1", "agent-1-fork")  # forked and deleted like any session
+            assert fork.tokens == turn2 and fork.parent == "agent-1"
+            await store.delete("agent-1-fork")
             resumed = await hf.resume(store, "agent-1", lm)
             full = torch.tensor([turn2 + [s2["tokens"][-1]]])
             with torch.no_grad():
