@@ -223,12 +223,18 @@ async def test_the_sdk_retries_a_503_until_capacity_frees(server: Server) -> Non
             await impatient.snapshot("refused", tokens[:256], kv[:, :, :256])
     async with client(server) as patient:
         start = time.monotonic()
-        result = await patient.resume("wanted")
-        assert patient.retried >= 1 and time.monotonic() - start < BODY_TIMEOUT + 6
+        result, info = await asyncio.gather(
+            patient.resume("wanted"), patient.snapshot("late", tokens[:256], kv[:, :, :256])
+        )  # an upload is sent again whole on each try
+        assert patient.retried >= 2 and time.monotonic() - start < BODY_TIMEOUT + 6 and info.version == 1
     assert result.complete and bits_equal(result.kv, kv)
     assert (await answer(hog, BODY_TIMEOUT + 3)).startswith(b"HTTP/1.1 400")
     hog_writer.close()
-    assert await stored(server) == before_sessions  # neither "hog" nor "refused" exists
+    assert await stored(server) == sorted([*before_sessions, ("late", 1)])  # no "hog", no "refused"
+    async with client(server) as c:
+        back = await c.resume("late")
+        assert back.complete and bits_equal(back.kv, kv[:, :, :256])
+        await c.delete("late")
     assert inflight(server) == 0
 
 
