@@ -599,7 +599,8 @@ class AgentStateConnector(KVConnectorBase_V1):
             self._ready()
             assert self.layout is not None
             # canonical order for the scatter: measured faster than walking the engine's order here
-            target = BlocksTarget(self.planes, job.block_ids, self.block_size, job.first, job.end)
+            span_end = max([job.end, *(start + n for start, n in job.spans)])
+            target = BlocksTarget(self.planes, job.block_ids, self.block_size, job.first, span_end, stop=job.end)
             future = asyncio.run_coroutine_threadsafe(self._load(job, target), self._loop.loop)
         except Exception as exc:  # noqa: BLE001 - the load fails, the blocks are recomputed
             self._failed("load", exc)

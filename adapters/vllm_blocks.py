@@ -125,16 +125,18 @@ def layout_for(backend: str, variant: str, *, block_size: int, heads: int, dim: 
 class BlocksTarget(KVTarget):
     """A restore lands in the engine's blocks: token `t` of the sequence is slot `t % bs` of block
     `block_ids[t // bs]`, in every layer. Tokens before `first` are not written (vLLM holds them
-    already: its own prefix cache hit, which other requests may be reading).
+    already: its own prefix cache hit, which other requests may be reading), nor tokens from
+    `stop` on (a session's tail may run past what vLLM loads: it computes the last prompt token).
 
     After `close()` returns nothing writes any more (a load that timed out hands its blocks back).
     """
 
     def __init__(
         self, planes: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], block_size: int, first: int,
-        num_tokens: int, orders: Orders = IDENTITY,
+        num_tokens: int, orders: Orders = IDENTITY, stop: int | None = None,
     ) -> None:  # fmt: skip
         self.planes = planes
+        self.stop = num_tokens if stop is None else stop
         self.orders = orders
         self.block_ids = block_ids
         self.block_size = block_size
@@ -152,7 +154,8 @@ class BlocksTarget(KVTarget):
                 return
             self._active += 1
         try:
-            scatter(self.planes, self.block_ids, self.block_size, start, src, first=self.first, orders=self.orders)
+            scatter(self.planes, self.block_ids, self.block_size, start, src[:, :, : max(0, self.stop - start)],
+                    first=self.first, orders=self.orders)  # fmt: skip
             with self._lock:
                 self.done.add(start)
         finally:

@@ -145,6 +145,12 @@ def test_cpu_layout_round_trip() -> None:
     BlocksTarget(planes, blocks, bs, first=bs + 5, num_tokens=3 * bs).write(0, src)
     out = gather(planes, blocks, bs, 0, 3 * bs, torch.empty_like(src))
     assert not out[:, :, : bs + 5].any() and torch.equal(out[:, :, bs + 5 :], src[:, :, bs + 5 :])
+    # nor tokens from `stop` on (a span may run past the blocks vLLM allocated)
+    for c in caches:
+        c.zero_()
+    BlocksTarget(planes, blocks, bs, first=0, num_tokens=3 * bs, stop=2 * bs + 3).write(0, src)
+    out = gather(planes, blocks, bs, 0, 3 * bs, torch.empty_like(src))
+    assert torch.equal(out[:, :, : 2 * bs + 3], src[:, :, : 2 * bs + 3]) and not out[:, :, 2 * bs + 3 :].any()
 
 
 def test_import_agentstate_needs_no_vllm() -> None:
@@ -287,23 +293,30 @@ def test_library_sees_what_vllm_stored(library: bool) -> None:
 
 
 @pytest.fixture(scope="module")
-def again(tmp: Path, model: str, data: Path, library: bool) -> dict[str, Any]:
+def again(tmp: Path, model: str, data: Path, library: bool, conn: dict[str, Any]) -> dict[str, Any]:
     # round 1: Q shares P3's first block (not its first chunk), so P3's local hit (128) ends inside a
     # chunk: the load writes only the chunk's tokens past it
-    rounds = [[req(P1), req(P2), req(P4), req(P3)], [req(P3[:200] + toks(100, 8)), req(P3)]]
+    # and a prompt that is exactly the session's tokens: all but its last token load (the tail clipped)
+    s2 = conn["rounds"][1][2]
+    turn3 = {"tokens": s2["prompt"] + s2["tokens"][:-1], "max_tokens": 2,
+             "params": {"agentstate": {"session_id": "agent-1", "state": {"turn": 3}}}}  # fmt: skip
+    rounds = [[req(P1), req(P2), req(P4), req(P3)], [req(P3[:200] + toks(100, 8)), req(P3), turn3]]
     job = {"model": model, "connector": {"path": str(data)}, "rounds": rounds, "chunked_prefill": True}
     return run_engine(tmp, "again", job)
 
 
 def test_new_engine_process_chunked_prefill(base: dict[str, Any], again: dict[str, Any]) -> None:
-    (p1, p2, p4, p3), (_, p3b) = again["rounds"]
+    (p1, p2, p4, p3), (_, p3b, turn3) = again["rounds"]
     assert p1["cached"] == 512 and p1["tokens"] == base["P1"]["tokens"]
     assert p4["cached"] == 512 and p4["tokens"] == base["P4"]["tokens"]  # stored by transformers
     assert p3["cached"] == 0 and p3b["cached"] == 768
     assert p3["tokens"] == base["P3"]["tokens"] and p3b["tokens"] == base["P3"]["tokens"]
     # the damaged chunk: detected, its blocks recomputed, the tokens still equal
     assert p2["tokens"] == base["P2"]["tokens"]
-    assert again["metrics"]["vllm:agentstate_load_error_blocks"] >= 2
+    assert again["metrics"]["vllm:agentstate_load_error_blocks"] == 4  # the damaged chunk's blocks, no more
+    # the session's tokens again: loaded but the last, and the next token is the one vLLM sampled there
+    assert turn3["cached"] == len(turn3["prompt"]) - 1
+    assert turn3["tokens"][0] == base["S2"]["tokens"][-1]
     assert p2["cached"] < 1024 or again["metrics"]["vllm:agentstate_load_error_blocks"] > 0
 
 
