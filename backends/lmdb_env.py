@@ -28,7 +28,7 @@ from typing import Any
 
 import lmdb
 
-from agentstate.errors import AgentStateError, BackendError, CorruptDataError
+from agentstate.errors import CapacityError, AgentStateError, BackendError, CorruptDataError
 
 DATA_FILE = "data.mdb"
 
@@ -67,6 +67,7 @@ def open_env(path: str | Path, what: str, **kwargs: Any) -> lmdb.Environment:
     path = Path(path)
     file = path / DATA_FILE
     check_data_file(file, what)
+    _check_room(path, what)
     try:
         env = lmdb.open(str(path), subdir=True, **kwargs)
     except lmdb.Error as exc:
@@ -77,6 +78,23 @@ def open_env(path: str | Path, what: str, **kwargs: Any) -> lmdb.Environment:
         env.close()
         raise
     return env
+
+
+_ROOM = 1 << 20
+"""Free bytes a new environment needs: its lock file and first pages are mapped, and a page of a
+sparse file that a full filesystem (tmpfs) cannot back is a SIGBUS on first touch, not an error."""
+
+
+def _check_room(path: Path, what: str) -> None:
+    """Before creating an environment's files (either missing): refuse a full filesystem."""
+    if (path / DATA_FILE).exists() and (path / "lock.mdb").exists():
+        return
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return
+    if st.f_bavail * st.f_frsize < _ROOM:
+        raise CapacityError(f"cannot create {what} at {path}: the disk is full ({st.f_bavail * st.f_frsize} bytes free)")
 
 
 def check_data_file(file: Path, what: str = "LMDB") -> None:

@@ -76,3 +76,43 @@ async def test_full_disk_is_a_capacity_error_and_loses_nothing(small_disk: Path,
             result = await store.resume(f"s{i}")
             assert result.complete and bits_equal(result.kv, session(i)[1])
         assert bits_equal((await store.resume("after")).kv, session(100)[1])
+
+
+OPEN_NEW = """
+import asyncio, sys
+from agentstate import StateStore
+from agentstate.errors import AgentStateError
+from tests.conftest import SPEC4
+async def main():
+    try:
+        async with StateStore.open(sys.argv[1], SPEC4):
+            pass
+    except AgentStateError as exc:
+        print(type(exc).__name__, exc)
+        sys.exit(1)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("left", [0, 4096, 64 << 10])
+def test_a_new_store_on_a_full_disk_is_refused_not_a_crash(small_disk: Path, left: int) -> None:
+    """LMDB maps its new lock file and first pages: on a tmpfs with no room to back them, the first
+    touch is a SIGBUS. Opening a new data directory there is a CapacityError instead."""
+    import sys
+
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:  # fill the disk, then give back `left` bytes
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError:
+            pass
+    size = filler.stat().st_size
+    with open(filler, "r+b") as f:
+        f.truncate(max(0, size - left))
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", OPEN_NEW, str(small_disk / "new")], cwd=root, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr[-2000:])
+    assert "CapacityError" in done.stdout

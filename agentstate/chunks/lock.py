@@ -19,7 +19,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from agentstate.errors import DataDirLockedError
+from agentstate.errors import AgentStateError, BackendError, CapacityError, DataDirLockedError
 
 LOCK_FILE = "LOCK"
 
@@ -36,9 +36,12 @@ class DataDirLock:
     def acquire(cls, directory: str | os.PathLike[str], *, shared: bool = False) -> DataDirLock:
         """Take the directory's lock now, or raise DataDirLockedError (never waits)."""
         root = Path(directory)
-        root.mkdir(parents=True, exist_ok=True)
         path = root / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise _os_error(root, exc) from exc
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as exc:
@@ -53,10 +56,15 @@ class DataDirLock:
                 " process closes it (stop the server, or go through its HTTP API)",
                 pid=holder,
             ) from None
+        lock = cls(path, fd, shared)
         if not shared:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return cls(path, fd, shared)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError as exc:
+                lock.release()
+                raise _os_error(root, exc) from exc
+        return lock
 
     def release(self) -> None:
         if self._fd is None:
@@ -71,6 +79,12 @@ class DataDirLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+
+def _os_error(root: Path, exc: OSError) -> AgentStateError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CapacityError(f"cannot lock data directory {root}: the disk is full ({exc})")
+    return BackendError(f"cannot lock data directory {root}: {exc}")
 
 
 def _holder(fd: int) -> int | None:
