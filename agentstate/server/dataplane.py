@@ -25,7 +25,7 @@ from fastapi import Depends, FastAPI, Request, Response
 
 from agentstate import codec
 from agentstate.errors import CorruptDataError, InvalidArgumentError
-from agentstate.server.gate import ServiceContext, frame_response, off_loop, read_body
+from agentstate.server.gate import ServiceContext, admit, frame_response, off_loop, read_body
 from agentstate.keys import CHUNK_PREFIX, ChunkKey, chunk_keys, token_array
 from agentstate.store import StateStore
 from agentstate.wire import (
@@ -112,10 +112,11 @@ def register(app: FastAPI, ctx: ServiceContext, handles: Handles) -> None:
         return PrefixStored(stored_tokens=await store.put_prefix(header.tokens, kv))
 
     @app.post("/v1/prefixes/load", tags=["data plane"], responses={200: {"content": {FRAME_TYPE: {}}}})
-    async def load(req: TokensRequest, store: Store) -> Response:
+    async def load(req: TokensRequest, request: Request, store: Store) -> Response:
         """The cached prefix of `tokens` as a frame (LoadHeader + KV of its leading whole chunks)."""
         packed = token_array(req.tokens)
         found = await store.match(packed)
+        admit(request, found.tokens * store.spec.token_bytes, "prefix load")  # before allocating it
         kv = store.spec.empty_kv(found.tokens)
         n = await store.load(packed, kv) if found.tokens else 0
         kv = kv[:, :, :n]
