@@ -69,7 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from agentstate.config import StoreConfig
-from agentstate.errors import AgentStateError, BackendError, InvalidArgumentError
+from agentstate.errors import AgentStateError, BackendError, ConflictError, InvalidArgumentError
 from agentstate.keys import chunk_keys, namespace_for, validate_id
 from agentstate.spec import DTYPE_NAMES, ModelSpec
 from agentstate.store import StateStore
@@ -732,7 +732,10 @@ class AgentStateConnector(KVConnectorBase_V1):
 
     async def _snapshot(self, view: StateStore, job: SessionJob, kv: torch.Tensor) -> None:
         try:
-            await view.snapshot(job.session_id, job.tokens, kv, job.state, force=True)
+            try:
+                await view.snapshot(job.session_id, job.tokens, kv, job.state)
+            except ConflictError:  # another writer of this id committed meanwhile: the newest turn wins
+                await view.snapshot(job.session_id, job.tokens, kv, job.state, force=True)
             self._count(sessions_saved=1)
         except Exception as exc:  # noqa: BLE001
             self._failed("snapshot", exc)
