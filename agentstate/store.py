@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 

@@ -7,7 +7,6 @@ imported by the CLI; what the CLI claims is checked against the store opened aga
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -26,7 +25,7 @@ from agentstate.ops.admin import record_spec
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 from tests.requires import skip_or_fail
 from tests.test_corruption import rewrite_lmdb_value
-from tests.test_service import _free_port
+from tests.test_service import _free_port, wait_healthy
 
 AGENTSTATE = shutil.which("agentstate")
 if AGENTSTATE is None:
@@ -234,12 +233,7 @@ async def test_serve_answers_until_sigterm(data: Path, tmp_path: Path) -> None:
         async with httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}", headers={"authorization": "Bearer t-bob"}
         ) as c:
-            for _ in range(600):
-                assert proc.returncode is None, "the service exited"
-                with contextlib.suppress(httpx.TransportError):
-                    if (await c.get("/healthz")).status_code == 200:
-                        break
-                await asyncio.sleep(0.1)
+            await wait_healthy(c, proc)
             assert (await c.get("/v1/spec")).json()["fingerprint"] == SPEC4.fingerprint  # the recorded spec
             assert [s["session_id"] for s in (await c.get("/v1/sessions")).json()] == ["bob-1"]
         proc.send_signal(signal.SIGTERM)

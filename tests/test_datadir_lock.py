@@ -23,7 +23,7 @@ from agentstate.ops.admin import record_spec
 from agentstate.errors import AgentStateError, DataDirLockedError
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 from tests.test_cli import AGENTSTATE, CHUNK, cli
-from tests.test_service import _free_port
+from tests.test_service import _free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 HOLD = """
@@ -114,12 +114,7 @@ async def serving(data: Path, tmp_path: Path) -> AsyncIterator[asyncio.subproces
     )  # fmt: skip
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
-            for _ in range(600):
-                assert proc.returncode is None, "the service exited"
-                with contextlib.suppress(httpx.TransportError):
-                    if (await c.get("/healthz")).status_code == 200:
-                        break
-                await asyncio.sleep(0.1)
+            await wait_healthy(c, proc)
         yield proc
     finally:
         if proc.returncode is None:

@@ -400,6 +400,17 @@ def test_tokens_and_spec_for_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert resolve_spec(data, None) == SPEC4  # and used when none is given
 
 
+async def wait_healthy(client: httpx.AsyncClient, proc: asyncio.subprocess.Process, seconds: float = 60) -> None:
+    """Poll `/healthz` until the service in `proc` answers 200 (it must not exit meanwhile)."""
+    for _ in range(int(seconds * 10)):
+        assert proc.returncode is None, "the service exited"
+        with contextlib.suppress(httpx.TransportError):
+            if (await client.get("/healthz")).status_code == 200:
+                return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the service did not answer /healthz within {seconds} s")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -423,12 +434,7 @@ async def test_run_serves_a_data_dir_until_sigterm(tmp_path: Path) -> None:
         async with httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}", headers={"authorization": f"Bearer {ALICE}"}
         ) as c:
-            for _ in range(600):
-                assert proc.returncode is None, "the service exited"
-                with contextlib.suppress(httpx.TransportError):
-                    if (await c.get("/healthz")).status_code == 200:
-                        break
-                await asyncio.sleep(0.1)
+            await wait_healthy(c, proc)
             assert (await c.get("/v1/spec")).json()["fingerprint"] == SPEC4.fingerprint
             await put_session(c, "in-a-process", n=70)
             assert [s["session_id"] for s in (await c.get("/v1/sessions")).json()] == ["in-a-process"]
