@@ -87,12 +87,8 @@ class ChunkStore:
     ) -> None:
         self.config = config
         self.spec = spec
-        self.fingerprint = spec.fingerprint
-        self.chunk_tokens = config.chunk_tokens
-        self.read_only = read_only
         tier_configs = config.tier_list()
-        kinds = {t.tier_name: t.kind for t in tier_configs}
-        self._kinds = kinds
+        self._kinds = {t.tier_name: t.kind for t in tier_configs}
         self._lock = DataDirLock.acquire(config.path, shared=read_only)
         self._pool: ThreadPoolExecutor | None = None
         tiers: list[Tier] = []
@@ -118,9 +114,8 @@ class ChunkStore:
         self._buffers = BufferPool(config.restore_pool_bytes)
         self._transfer = Transfer(
             spec=spec, manager=self._manager, io=self._io, pool=self._pool,
-            batch_bytes=config.batch_bytes, promote=config.promote_on_read and not read_only,
+            batch_bytes=config.batch_bytes, promote=config.promote_on_read and not read_only, read_only=read_only,
         )  # fmt: skip
-        self._transfer.read_only = read_only
         self._deleting: dict[str, asyncio.Future[None]] = {}
         self._closed = False
 
@@ -158,11 +153,14 @@ class ChunkStore:
             for t in self._manager.tiers
         ]
 
-    def backend(self, tier_name: str) -> Backend:
-        """The backend of one tier (tests and operator tools inspect it; writes go through this class)."""
+    def _named(self, tier_name: str) -> Tier:
         if tier_name not in self.tier_names:
             raise InvalidArgumentError(f"no tier {tier_name!r}; this store has {self.tier_names}")
-        return self._manager.tier(tier_name).backend
+        return self._manager.tier(tier_name)
+
+    def backend(self, tier_name: str) -> Backend:
+        """The backend of one tier (tests and operator tools inspect it; writes go through this class)."""
+        return self._named(tier_name).backend
 
     def where(self, key: str) -> list[str]:
         """Tiers this process knows to hold `key`, fastest first."""
@@ -205,9 +203,6 @@ class ChunkStore:
             yield
         finally:
             self._index.unpin(keys)
-
-    def is_pinned(self, key: str) -> bool:
-        return self._index.pinned(key)
 
     async def settle(self, keys: Sequence[str]) -> None:
         """Wait for deletes of any of `keys` that started before they were pinned."""
@@ -252,7 +247,7 @@ class ChunkStore:
             await self._manager.store(keys, values, durable=durable)
             return
         for name in tiers:
-            await self._manager.put(self._manager.tier(name), keys, values)
+            await self._manager.put(self._named(name), keys, values)
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -300,7 +295,7 @@ class ChunkStore:
     async def delete(self, keys: Sequence[str], tiers: Sequence[str] | None = None) -> None:
         """Delete from every tier (or the named ones), whatever references them: for keys that are
         the caller's alone (a failed commit's tail). Everything else goes through `collect`."""
-        chosen = None if tiers is None else [self._manager.tier(n) for n in tiers]
+        chosen = None if tiers is None else [self._named(n) for n in tiers]
         await self._manager.delete(keys, chosen)
 
     async def collect(self, keys: Sequence[str], refcounts: RefCounts) -> list[str]:
@@ -333,13 +328,8 @@ class ChunkStore:
     async def sweep(self, prefixes: Sequence[str], refcounts: RefCounts) -> int:
         """gc of every local durable tier: delete what is stored under `prefixes` that nothing
         references (crash leftovers, copies of snapshots that never committed)."""
-        found: dict[str, None] = {}
-        for tier in self._manager.tiers:
-            if tier.backend.durable and not tier.backend.remote:
-                for prefix in prefixes:
-                    async for key in tier.backend.keys(prefix):
-                        found.setdefault(key)
-        return len(await self.collect(list(found), refcounts))
+        found = await self._local_keys(prefixes)
+        return len(await self.collect([k for keys in found.values() for k in keys], refcounts))
 
     async def sweep_shared(self, prefixes: Sequence[str], live: set[str]) -> int:
         """gc under a shared catalog: what no manifest or prefix names goes from this host's tiers,
@@ -360,11 +350,16 @@ class ChunkStore:
     async def adopt(self, prefixes: Iterable[str]) -> None:
         """Account for what the local durable tiers hold under `prefixes` (after a restart, or a
         namespace an adapter owns)."""
+        await self._manager.adopt_existing(await self._local_keys(prefixes))
+
+    async def _local_keys(self, prefixes: Iterable[str]) -> dict[str, list[str]]:
+        """What each local durable tier stores under `prefixes` (asks the backends, not the index)."""
+        prefixes = list(prefixes)
         found: dict[str, list[str]] = {}
         for tier in self._manager.tiers:
             if tier.backend.durable and not tier.backend.remote:
                 found[tier.name] = [k for p in prefixes async for k in tier.backend.keys(p)]
-        await self._manager.adopt_existing(found)
+        return found
 
     async def evict(
         self, tier_name: str, *, budget_bytes: int | None = None, keys: Sequence[str] | None = None
@@ -393,9 +388,7 @@ class ChunkStore:
         )  # fmt: skip
 
     def _cache_tier(self, name: str) -> Tier:
-        if name not in self.tier_names:
-            raise InvalidArgumentError(f"no tier {name!r}; this store has {self.tier_names}")
-        tier = self._manager.tier(name)
+        tier = self._named(name)
         if tier is self._record:
             raise InvalidArgumentError(
                 f"{name!r} is the record tier: it holds the durable copy of every session (use delete or gc)"
@@ -408,15 +401,15 @@ class ChunkStore:
 
     async def scan(self, tier_name: str, prefix: str) -> list[str]:
         """Every key a tier stores under `prefix` (asks the backend, not the index)."""
-        tier = self._manager.tier(tier_name)
-        return [k async for k in tier.backend.keys(prefix)]
+        return [k async for k in self._named(tier_name).backend.keys(prefix)]
 
     async def read_raw(self, tier_name: str, keys: Sequence[str], sink: ReadSink) -> list[bool]:
         """Hand the stored bytes of `keys` in one tier to `sink`, unchecked (verify checks them)."""
-        return await self._manager.tier(tier_name).backend.read(keys, sink)
+        return await self._named(tier_name).backend.read(keys, sink)
 
-    def trusted(self, tier_name: str) -> bool:
-        return self._manager.tier(tier_name).backend.trusted
+    async def raw_value(self, tier_name: str, key: str) -> Value | None:
+        """An owned copy of what one tier stores under `key`, unchecked; None if it holds nothing."""
+        return await self._manager.read_bytes(self._named(tier_name), key)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ class Transfer:
         pool: ThreadPoolExecutor,
         batch_bytes: int,
         promote: bool,
+        read_only: bool = False,
     ) -> None:
         self.spec = spec
         self.fingerprint = spec.fingerprint
@@ -48,7 +49,7 @@ class Transfer:
         self.batch_bytes = batch_bytes
         self.promote = promote
         self.counts: Counter[str] = Counter()
-        self.read_only = False
+        self.read_only = read_only
         self._background: set[asyncio.Future[object]] = set()
 
     async def _forget(self, tier: Tier, missing: list[str], corrupt: list[str]) -> None:
@@ -59,8 +60,7 @@ class Transfer:
         down) is counted and left for the next read or gc: it must not fail a restore.
         """
         if self.read_only:  # a reader of a directory it does not own never deletes: forget only
-            for key in missing + corrupt:
-                self.manager.index.discard([key], tier.name)
+            self.manager.index.discard(missing + corrupt, tier.name)
             return
         if tier.backend.remote:
             self.manager.note(tier, missing, [False] * len(missing))

@@ -169,7 +169,7 @@ async def _name_misplaced(store: StateStore, tier: str, status: dict[str, str], 
     candidates = bad + [k for k, s in status.items() if s == "ok"]
     budget = _MISPLACED_TRIES
     for key in bad:
-        value = await _value(store, tier, key) if budget > 0 else None
+        value = await store.chunks.raw_value(tier, key) if budget > 0 else None
         for other in candidates:
             if value is None or budget <= 0:
                 break
@@ -203,7 +203,7 @@ async def _restore_record(store: StateStore, missing: list[str], checks: list[Ti
     back: set[str] = set()
     for key in dict.fromkeys(missing):
         for tier in others:
-            value = await _value(store, tier, key)
+            value = await store.chunks.raw_value(tier, key)
             if value is not None and check_chunk(value, store.spec, None, key) == "ok":
                 with store.chunks.pinned([key]):
                     await store.chunks.put_values([key], [value], tiers=[record])
@@ -215,9 +215,3 @@ async def _restore_record(store: StateStore, missing: list[str], checks: list[Ti
             c.missing -= len(back)
     return back
 
-
-async def _value(store: StateStore, tier: str, key: str) -> bytes | None:
-    """An owned copy of the bytes one tier stores under `key` (unchecked), or None."""
-    got: list[bytes] = []
-    await store.chunks.read_raw(tier, [key], lambda _, view: got.append(bytes(view)))
-    return got[0] if got else None
