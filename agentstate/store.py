@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from agentstate.backends.base import BackendStats
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, InvalidArgumentError
-from agentstate.keys import token_array
+from agentstate.keys import ChunkKey, token_array
 from agentstate.manifest import MatchResult
 from agentstate.chunks import PrefetchHandle, PrefetchPolicy, deadline_for
 from agentstate.sessions import SessionOps, _leading
@@ -79,21 +79,7 @@ class StateStore(SessionOps):
         packed = token_array(tokens)
         self.spec.check_kv(kv, len(packed))
         keys = self._keys(packed)
-        if not keys:
-            return 0
-        new: list[int] = []
-        try:
-            with self.chunks.pinned(keys):
-                new = await self.chunks.missing(keys, durable=False)
-                if new:
-                    slices = self._slices(kv, len(keys))
-                    await self.chunks.write([keys[i] for i in new], [slices[i] for i in new], durable=False)
-                await self.catalog.add_prefix(keys)
-        except BaseException:
-            with contextlib.suppress(AgentStateError):  # what this call wrote and nothing names goes
-                await self._collect([keys[i] for i in new])
-            raise
-        return len(new) * self.chunk_tokens
+        return await self._store_prefix(keys, self._slices(kv, len(keys)), keys)
 
     async def put_chunks(self, tokens: Sequence[int] | torch.Tensor, chunks: dict[int, torch.Tensor]) -> int:
         """Store some full chunks of a shared prefix, by chunk index, without the KV of the others:
@@ -104,27 +90,31 @@ class StateStore(SessionOps):
         prefix through the last given chunk is recorded (kept until removed, as `put_prefix`).
         Returns how many tokens were newly stored.
         """
-        packed = token_array(tokens)
-        keys = self._keys(packed)
+        keys = self._keys(token_array(tokens))
         if not chunks:
             return 0
-        last = max(chunks)
-        if min(chunks) < 0 or last >= len(keys):
+        if min(chunks) < 0 or max(chunks) >= len(keys):
             raise InvalidArgumentError(f"chunk indices {sorted(chunks)} outside the {len(keys)} full chunks of tokens")
         for kv in chunks.values():
             self.spec.check_kv(kv, self.chunk_tokens)
         order = sorted(chunks)
-        named = [keys[i] for i in order]
+        return await self._store_prefix([keys[i] for i in order], [chunks[i] for i in order], keys[: order[-1] + 1])
+
+    async def _store_prefix(self, keys: list[ChunkKey], kv: list[torch.Tensor], prefix: list[ChunkKey]) -> int:
+        """Write the chunks of `keys` not stored yet (`kv[i]` is chunk `keys[i]`), then record
+        `prefix` so they are kept; what this call wrote goes again if it fails."""
+        if not prefix:
+            return 0
         new: list[int] = []
         try:
-            with self.chunks.pinned(named):
-                new = await self.chunks.missing(named, durable=False)
+            with self.chunks.pinned(keys):
+                new = await self.chunks.missing(keys, durable=False)
                 if new:
-                    await self.chunks.write([named[i] for i in new], [chunks[order[i]] for i in new], durable=False)
-                await self.catalog.add_prefix(keys[: last + 1])
+                    await self.chunks.write([keys[i] for i in new], [kv[i] for i in new], durable=False)
+                await self.catalog.add_prefix(prefix)
         except BaseException:
-            with contextlib.suppress(AgentStateError):
-                await self._collect([named[i] for i in new])
+            with contextlib.suppress(AgentStateError):  # nothing names what this call wrote
+                await self._collect([keys[i] for i in new])
             raise
         return len(new) * self.chunk_tokens
 
