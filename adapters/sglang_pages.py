@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,10 +25,7 @@ from agentstate import codec
 from agentstate.errors import BackendError, InvalidArgumentError
 from agentstate.memory import host_buffer
 from agentstate.spec import DTYPE_NAMES, ModelSpec
-from agentstate.target import KVTarget
-
-if TYPE_CHECKING:
-    pass
+from agentstate.target import GuardedTarget
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -161,45 +158,24 @@ class PageLayout:
         )  # fmt: skip
 
 
-class PagesTarget(KVTarget):
+class PagesTarget(GuardedTarget):
     """Restored pages land straight in host-pool memory: chunk `i` of a read is page `pages[i]`.
 
     After `close()` returns nothing writes into the pool any more: a call that timed out hands
     its pages back to SGLang, which may reuse them at once, while reads may still be running.
+    `close()` returns the indices of the pages written in full.
     """
 
     def __init__(self, pages: list[torch.Tensor], page_size: int) -> None:
+        super().__init__()
         self.pages = pages
         self.page_size = page_size
         self.num_tokens = len(pages) * page_size
         self.device = torch.device("cpu")
-        self.done: set[int] = set()
-        self._cond = threading.Condition()
-        self._active = 0
-        self._closed = False
 
-    def _copy(self, start: int, src: torch.Tensor) -> None:
-        with self._cond:
-            if self._closed:
-                return  # not an error: raising would make the transfer drop a good page as corrupt
-            self._active += 1
-        copied = False
-        try:
-            self.pages[start // self.page_size].copy_(src)
-            copied = True
-        finally:
-            with self._cond:
-                self._active -= 1
-                if copied:
-                    self.done.add(start // self.page_size)
-                self._cond.notify_all()
-
-    def close(self) -> set[int]:
-        """Refuse further copies, wait for those under way; which pages were written in full."""
-        with self._cond:
-            self._closed = True
-            self._cond.wait_for(lambda: self._active == 0)
-            return set(self.done)
+    def _place(self, start: int, src: torch.Tensor) -> int:
+        self.pages[start // self.page_size].copy_(src)
+        return start // self.page_size
 
 
 class LoopThread:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from agentstate.errors import InvalidArgumentError
-from agentstate.target import KVTarget
+from agentstate.target import GuardedTarget
 
 # -- layouts ---------------------------------------------------------------------------------------
 
@@ -122,19 +122,21 @@ def layout_for(backend: str, variant: str, *, block_size: int, heads: int, dim: 
 # -- moving tokens between canonical chunks and blocks ----------------------------------------------
 
 
-class BlocksTarget(KVTarget):
+class BlocksTarget(GuardedTarget):
     """A restore lands in the engine's blocks: token `t` of the sequence is slot `t % bs` of block
     `block_ids[t // bs]`, in every layer. Tokens before `first` are not written (vLLM holds them
     already: its own prefix cache hit, which other requests may be reading), nor tokens from
     `stop` on (a session's tail may run past what vLLM loads: it computes the last prompt token).
 
-    After `close()` returns nothing writes any more (a load that timed out hands its blocks back).
+    After `close()` returns nothing writes any more (a load that timed out hands its blocks back);
+    it returns the start tokens of the spans written in full.
     """
 
     def __init__(
         self, planes: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], block_size: int, first: int,
         num_tokens: int, orders: Orders = IDENTITY, stop: int | None = None,
     ) -> None:  # fmt: skip
+        super().__init__()
         self.planes = planes
         self.stop = num_tokens if stop is None else stop
         self.orders = orders
@@ -143,32 +145,11 @@ class BlocksTarget(KVTarget):
         self.first = first
         self.num_tokens = num_tokens
         self.device = planes[0][0].device
-        self.done: set[int] = set()
-        self._lock = threading.Condition()
-        self._active = 0
-        self._closed = False
 
-    def _copy(self, start: int, src: torch.Tensor) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._active += 1
-        try:
-            scatter(self.planes, self.block_ids, self.block_size, start, src[:, :, : max(0, self.stop - start)],
-                    first=self.first, orders=self.orders)  # fmt: skip
-            with self._lock:
-                self.done.add(start)
-        finally:
-            with self._lock:
-                self._active -= 1
-                self._lock.notify_all()
-
-    def close(self) -> set[int]:
-        """Refuse further copies, wait for those under way; the start tokens of spans written in full."""
-        with self._lock:
-            self._closed = True
-            self._lock.wait_for(lambda: self._active == 0)
-            return set(self.done)
+    def _place(self, start: int, src: torch.Tensor) -> int:
+        scatter(self.planes, self.block_ids, self.block_size, start, src[:, :, : max(0, self.stop - start)],
+                first=self.first, orders=self.orders)  # fmt: skip
+        return start
 
 
 def _runs(block_size: int, start: int, n: int, first: int) -> list[tuple[int, int, int]]:

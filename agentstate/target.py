@@ -69,6 +69,45 @@ class KVTarget(ABC):
             self._staged = []
 
 
+class GuardedTarget(KVTarget):
+    """A target in memory the engine takes back when a call ends: a load that timed out hands its
+    pages or blocks back at once, while reads may still be running. After `close()` returns
+    nothing writes into it any more. Subclasses copy a chunk into place in `_place`, which says
+    what to record as written in full (`done`)."""
+
+    def __init__(self) -> None:
+        self.done: set[int] = set()
+        self._guard = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    @abstractmethod
+    def _place(self, start: int, src: torch.Tensor) -> int:
+        """Copy `src` into place; what `done` records for it."""
+
+    def _copy(self, start: int, src: torch.Tensor) -> None:
+        with self._guard:
+            if self._closed:
+                return  # not an error: raising would make the transfer drop a good chunk as corrupt
+            self._active += 1
+        placed: int | None = None
+        try:
+            placed = self._place(start, src)
+        finally:
+            with self._guard:
+                self._active -= 1
+                if placed is not None:
+                    self.done.add(placed)
+                self._guard.notify_all()
+
+    def close(self) -> set[int]:
+        """Refuse further copies, wait for those under way; what was written in full."""
+        with self._guard:
+            self._closed = True
+            self._guard.wait_for(lambda: self._active == 0)
+            return set(self.done)
+
+
 class TensorTarget(KVTarget):
     """A canonical KV tensor `[layers, planes, tokens, heads, dim]` on any device."""
 
