@@ -271,6 +271,14 @@ class AgentStateConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        pc = vllm_config.parallel_config
+        if pc.tensor_parallel_size * pc.pipeline_parallel_size > 1:
+            # Chunk keys carry the rank's fingerprint: the scheduler would have to compute and plan
+            # them per rank. Not built yet; refused at startup rather than silently never hitting.
+            raise InvalidArgumentError(
+                f"the agentstate vLLM connector supports one rank so far (tensor_parallel_size"
+                f" {pc.tensor_parallel_size}, pipeline_parallel_size {pc.pipeline_parallel_size}; both must be 1)"
+            )
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.settings, self._overrides = VllmSettings.from_extra(extra)
         self.config = StoreConfig(path=self.settings.path, **self._overrides)  # checks every key now
@@ -289,10 +297,6 @@ class AgentStateConnector(KVConnectorBase_V1):
         self._count_lock = threading.Lock()
         pc = vllm_config.parallel_config
         self._tp = pc.tensor_parallel_size
-        if self._tp * pc.pipeline_parallel_size > 1:
-            # Chunk keys carry the rank's fingerprint: the scheduler would have to compute and plan
-            # them per rank. Not built yet; refused at startup rather than silently never hitting.
-            raise InvalidArgumentError("the agentstate vLLM connector supports one rank (TP = PP = 1) so far")
         if role == KVConnectorRole.SCHEDULER:
             # A failed load falls back to recompute (vLLM's default is to fail the request).
             vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"

@@ -11,7 +11,9 @@ greedy tokens are deterministic. Engine runs, shared by the tests below:
   transformers; vLLM's stored KV against transformers'), a prefix stored through transformers,
   and bytes of one stored chunk damaged;
 - again: a new engine process with chunked prefill on the same directory: old hits, the
-  transformers prefix hit, the damaged chunk recomputed, new prompts stored and hit;
+  transformers prefix hit, the damaged chunk recomputed, new prompts stored and hit; then the
+  blocks that prefix loaded into, found in the engine's own caches (a worker extension), against
+  the blocks vLLM computed itself for the same tokens;
 - redis: two engine processes with their own directories sharing one Redis tier and catalog.
 
 Runs under the venv that has vLLM (.ci/run makes .venv-vllm); CI fails instead of skipping.
@@ -191,6 +193,26 @@ def test_lookup_channel() -> None:
     assert len(asked) == 3
 
 
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)])
+def test_more_than_one_rank_is_refused_at_startup(tmp_path: Path, tp: int, pp: int) -> None:
+    """Keys are per rank and the scheduler plans for one: refused by both roles before anything
+    is opened, rather than an engine that silently never hits."""
+    from agentstate.adapters.vllm import AgentStateConnector
+    from agentstate.errors import InvalidArgumentError
+    from vllm.config import KVTransferConfig, ParallelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    kv = KVTransferConfig(kv_connector="AgentStateConnector", kv_role="kv_both",
+                          kv_connector_module_path="agentstate.adapters.vllm",
+                          kv_connector_extra_config={"path": str(tmp_path / "data")})  # fmt: skip
+    cfg = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                     kv_transfer_config=kv)  # fmt: skip
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(InvalidArgumentError, match="one rank"):
+            AgentStateConnector(cfg, role)
+    assert not (tmp_path / "data").exists()
+
+
 @pytest.mark.gpu
 def test_flash_layouts_round_trip() -> None:
     if not torch.cuda.is_available():
@@ -275,6 +297,9 @@ def library(conn: dict[str, Any], data: Path, model: str) -> bool:
             with torch.no_grad():
                 cache = lm(torch.tensor([P4[:512]]), use_cache=True).past_key_values
             assert await hf.put_prefix(store, P4[:512], cache) == 512
+            from safetensors.torch import save_file  # what the next engine must find in its blocks
+
+            save_file({"kv": hf.cache_to_kv(cache, spec).contiguous()}, str(data.parent / "p4.safetensors"))
             # damage one stored chunk of P2 (the third): the next engine run must detect it
             key = chunk_keys(P2[:1024], namespace=namespace_for("default"), fingerprint=spec.fingerprint,
                              chunk_tokens=256)[2]  # fmt: skip
@@ -300,13 +325,17 @@ def again(tmp: Path, model: str, data: Path, library: bool, conn: dict[str, Any]
     s2 = conn["rounds"][1][2]
     turn3 = {"tokens": s2["prompt"] + s2["tokens"][:-1], "max_tokens": 2,
              "params": {"agentstate": {"session_id": "agent-1", "state": {"turn": 3}}}}  # fmt: skip
-    rounds = [[req(P1), req(P2), req(P4), req(P3)], [req(P3[:200] + toks(100, 8)), req(P3), turn3]]
-    job = {"model": model, "connector": {"path": str(data)}, "rounds": rounds, "chunked_prefill": True}
+    # P4 under another cache_salt: vLLM computes the same tokens itself, into other blocks
+    rounds = [[req(P1), req(P2), req(P4), req(P4, salt="own"), req(P3)],
+              [req(P3[:200] + toks(100, 8)), req(P3), turn3]]  # fmt: skip
+    job = {"model": model, "connector": {"path": str(data)}, "rounds": rounds, "chunked_prefill": True,
+           "probe": str(data.parent / "p4.safetensors")}  # fmt: skip
     return run_engine(tmp, "again", job)
 
 
 def test_new_engine_process_chunked_prefill(base: dict[str, Any], again: dict[str, Any]) -> None:
-    (p1, p2, p4, p3), (_, p3b, turn3) = again["rounds"]
+    (p1, p2, p4, p4own, p3), (_, p3b, turn3) = again["rounds"]
+    assert p4own["cached"] == 0 and p4own["tokens"] == base["P4"]["tokens"]
     assert p1["cached"] == 512 and p1["tokens"] == base["P1"]["tokens"]
     assert p4["cached"] == 512 and p4["tokens"] == base["P4"]["tokens"]  # stored by transformers
     assert p3["cached"] == 0 and p3b["cached"] == 768
@@ -318,6 +347,19 @@ def test_new_engine_process_chunked_prefill(base: dict[str, Any], again: dict[st
     assert turn3["cached"] == len(turn3["prompt"]) - 1
     assert turn3["tokens"][0] == base["S2"]["tokens"][-1]
     assert p2["cached"] < 1024 or again["metrics"]["vllm:agentstate_load_error_blocks"] > 0
+
+
+def test_transformers_kv_lands_in_vllm_blocks_as_vllm_computes_it(again: dict[str, Any]) -> None:
+    """P4's first 512 tokens, stored through transformers: every block the connector loaded holds
+    exactly transformers' KV, and its raw memory equals, within fp32 tolerance, the block vLLM
+    computed itself for the same tokens (P4 under another cache_salt)."""
+    windows = again["probe"]
+    assert len(windows) == 4
+    for w in windows:
+        assert len(w["blocks"]) == 2, w  # the loaded block and vLLM's own, nothing else near
+        assert w["exact"], w  # the loaded block: transformers' bytes, bit for bit
+        (raw,) = w["raw_vs_exact"].values()
+        assert raw <= 1e-4, w  # vLLM's own block, raw memory against the loaded one
 
 
 def test_damaged_chunk_stored_again(again: dict[str, Any], data: Path) -> None:

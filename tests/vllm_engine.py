@@ -4,9 +4,10 @@ benchmarks/bench_vllm.py: `python tests/vllm_engine.py JOB.json OUT.json`.
 JOB: {"model": dir, "connector": extra config dict or null, "chunked_prefill": bool,
       "rounds": [[{"tokens": [...], "max_tokens": n, "params": kv_transfer_params or null,
                    "salt": cache_salt or null}, ...], ...], "reset_between_rounds": true,
-      "connector_class": optional (e.g. "ExampleConnector"), "kv_load_failure_policy": optional}
+      "connector_class": optional (e.g. "ExampleConnector"), "kv_load_failure_policy": optional,
+      "probe": optional path of a safetensors file {"kv": canonical [layers, 2, n, heads, dim]}}
 OUT:  {"rounds": [[{"tokens": [...], "cached": num_cached_tokens, "ttft": s, "e2e": s}]],
-       "metrics": {name: value}}
+       "metrics": {name: value}, "probe": BlockProbe.probe_blocks's answer when asked}
 
 One request per `generate` call and float32, so outputs are deterministic (shared/notes/vllm-cpu.md).
 """
@@ -46,6 +47,40 @@ def make_model(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 2,
     return path
 
 
+class BlockProbe:
+    """Worker extension (tests only; `worker_extension_cls`): finds, in the engine's own KV caches,
+    the blocks that hold given canonical KV, so a test can compare blocks the connector loaded with
+    blocks vLLM computed itself. Reads the caches through the adapter's CPU layout to find them, then
+    compares the blocks' raw memory, which needs no layout at all."""
+
+    def probe_blocks(self, path: str, block_size: int, tol: float) -> list[dict]:
+        from safetensors.torch import load_file
+
+        from agentstate.adapters.vllm_blocks import layout_for
+
+        expected = load_file(path)["kv"]  # [layers, 2, n, heads, dim]
+        layers, _, n, heads, dim = expected.shape
+        caches = list(self.model_runner.kv_caches)  # type: ignore[attr-defined]
+        lay = layout_for("CPU_ATTN", "vec", block_size=block_size, heads=heads, dim=dim)
+        planes = [lay.planes(c) for c in caches]
+        out = []
+        for w in range(n // block_size):
+            want = expected[:, :, w * block_size : (w + 1) * block_size]
+            near = (planes[0][0][:, 0, 0] - want[0, 0, 0, 0]).abs().amax(dim=1) < tol  # K of token 0, head 0
+            found = []
+            for b in near.nonzero().flatten().tolist():
+                diff = max(float((planes[i][p][b] - want[i, p]).abs().max()) for i in range(layers) for p in (0, 1))
+                if diff < tol:
+                    found.append([b, diff])
+            exact = [b for b, diff in found if diff == 0.0]
+            raw = {  # raw memory of each other block holding these tokens against the first exact one
+                str(b): max(float((c[b] - c[exact[0]]).abs().max()) for c in caches)
+                for b, _ in found if exact and b != exact[0]
+            }  # fmt: skip
+            out.append({"blocks": found, "exact": exact, "raw_vs_exact": raw})
+        return out
+
+
 def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -63,6 +98,8 @@ def run(job: dict) -> dict:
         if cls == "AgentStateConnector":
             cfg["kv_connector_module_path"] = "agentstate.adapters.vllm"
         kwargs["kv_transfer_config"] = cfg
+    if job.get("probe"):
+        kwargs["worker_extension_cls"] = "vllm_engine.BlockProbe"
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     out = {"startup_s": time.perf_counter() - t0, "rounds": []}
@@ -104,6 +141,9 @@ def run(job: dict) -> dict:
     except Exception as exc:  # noqa: BLE001
         metrics["error"] = repr(exc)
     out["metrics"] = metrics
+    if job.get("probe"):
+        bs = llm.llm_engine.vllm_config.cache_config.block_size
+        out["probe"] = llm.collective_rpc("probe_blocks", args=(job["probe"], bs, 1e-3))[0]
     llm.llm_engine.engine_core.shutdown()
     return out
 
