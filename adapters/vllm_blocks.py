@@ -152,29 +152,57 @@ class BlocksTarget(GuardedTarget):
         return start
 
 
-def _runs(block_size: int, start: int, n: int, first: int) -> list[tuple[int, int, int]]:
-    """(block index, token lo, token hi) of the tokens `start .. start+n` at or after `first`."""
-    out = []
+def _runs(block_ids: list[int], block_size: int, start: int, n: int, first: int) -> list[tuple[int, int, int, int]]:
+    """(first block id, block count, token lo, token hi) covering tokens `start .. start+n` at or
+    after `first`: whole blocks with consecutive ids merge into one run (one strided copy per layer
+    and plane instead of one per block: per-call overhead dominates small models), a partial block
+    at either end is a run of its own."""
+    out: list[tuple[int, int, int, int]] = []
     lo = max(start, first)
     while lo < start + n:
         j = lo // block_size
         hi = min(start + n, (j + 1) * block_size)
-        out.append((j, lo, hi))
+        b = block_ids[j]
+        whole = lo == j * block_size and hi == (j + 1) * block_size
+        if out and whole:
+            b0, count, lo0, hi0 = out[-1]
+            if b0 + count == b and lo0 % block_size == 0 and hi0 == lo:
+                out[-1] = (b0, count + 1, lo0, hi)
+                lo = hi
+                continue
+        out.append((b, 1, lo, hi))
         lo = hi
     return out
+
+
+def _pair(
+    plane: torch.Tensor, canon: torch.Tensor, run: tuple[int, int, int, int], block_size: int, order: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's blocks in `plane` and its tokens in `canon` (`[tokens, heads, dim]`, the run's
+    tokens only), as two equal-shaped views permuted to `order`: a run of whole blocks is
+    `[blocks, bs, heads, dim]` on both sides (splitting the canonical token dim is always a view;
+    merging the engine's block and slot dims is not)."""
+    b, count, lo, hi = run
+    if count == 1:
+        off = (lo // block_size) * block_size
+        return plane[b, lo - off : hi - off].permute(order), canon.permute(order)
+    order4 = (0, *(d + 1 for d in order))
+    return plane[b : b + count].permute(order4), canon.unflatten(0, (count, block_size)).permute(order4)
 
 
 def scatter(
     planes: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], block_size: int, start: int,
     src: torch.Tensor, *, first: int = 0, orders: Orders = IDENTITY,
 ) -> None:  # fmt: skip
-    """Copy canonical `src` (tokens `start ..`) into the blocks, one strided copy per (layer, plane, block)."""
+    """Copy canonical `src` (tokens `start ..`) into the blocks, one strided copy per (layer, plane, run)."""
     ko, vo = orders
-    for j, lo, hi in _runs(block_size, start, src.shape[2], first):
-        b, off = block_ids[j], j * block_size
+    for run in _runs(block_ids, block_size, start, src.shape[2], first):
+        lo, hi = run[2] - start, run[3] - start
         for layer, (k, v) in enumerate(planes):
-            k[b, lo - off : hi - off].permute(ko).copy_(src[layer, 0, lo - start : hi - start].permute(ko))
-            v[b, lo - off : hi - off].permute(vo).copy_(src[layer, 1, lo - start : hi - start].permute(vo))
+            dst, part = _pair(k, src[layer, 0, lo:hi], run, block_size, ko)
+            dst.copy_(part)
+            dst, part = _pair(v, src[layer, 1, lo:hi], run, block_size, vo)
+            dst.copy_(part)
 
 
 def gather(
@@ -183,11 +211,13 @@ def gather(
 ) -> torch.Tensor:  # fmt: skip
     """Canonical KV `[layers, 2, n, heads, dim]` of tokens `start .. start+n`, copied out of the blocks."""
     ko, vo = orders
-    for j, lo, hi in _runs(block_size, start, n, 0):
-        b, off = block_ids[j], j * block_size
+    for run in _runs(block_ids, block_size, start, n, 0):
+        lo, hi = run[2] - start, run[3] - start
         for layer, (k, v) in enumerate(planes):
-            out[layer, 0, lo - start : hi - start].permute(ko).copy_(k[b, lo - off : hi - off].permute(ko))
-            out[layer, 1, lo - start : hi - start].permute(vo).copy_(v[b, lo - off : hi - off].permute(vo))
+            blocks, dst = _pair(k, out[layer, 0, lo:hi], run, block_size, ko)
+            dst.copy_(blocks)
+            blocks, dst = _pair(v, out[layer, 1, lo:hi], run, block_size, vo)
+            dst.copy_(blocks)
     return out
 
 

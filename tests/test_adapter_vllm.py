@@ -32,6 +32,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.requires import require_module
 
@@ -39,7 +41,7 @@ vllm = require_module("vllm", "pip install -c constraints.txt -r requirements-vl
 transformers = require_module("transformers")
 
 from agentstate.adapters import transformers as hf
-from agentstate.adapters.vllm_blocks import BlockLayout, BlocksTarget, gather, layout_for
+from agentstate.adapters.vllm_blocks import BlockLayout, BlocksTarget, gather, layout_for, scatter
 
 from agentstate import ModelSpec, StateStore
 from agentstate.keys import chunk_keys, namespace_for
@@ -153,6 +155,45 @@ def test_cpu_layout_round_trip() -> None:
     BlocksTarget(planes, blocks, bs, first=0, num_tokens=3 * bs, stop=2 * bs + 3).write(0, src)
     out = gather(planes, blocks, bs, 0, 3 * bs, torch.empty_like(src))
     assert torch.equal(out[:, :, : 2 * bs + 3], src[:, :, : 2 * bs + 3]) and not out[:, :, 2 * bs + 3 :].any()
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_scatter_gather_match_a_token_by_token_reference(data: st.DataObject) -> None:
+    """Runs of consecutive blocks are copied at once: any block ids (runs, gaps, reversed), any start,
+    length, `first` and layout give exactly what copying token by token gives, and nothing else moves."""
+    bs = data.draw(st.sampled_from([1, 2, 4, 8]))
+    nblocks = data.draw(st.integers(1, 6))
+    pool = 12
+    ids = data.draw(st.permutations(range(pool)))[:nblocks]
+    if data.draw(st.booleans()):
+        b0 = data.draw(st.integers(0, pool - nblocks))
+        ids = list(range(b0, b0 + nblocks))  # one run
+    name = data.draw(st.sampled_from(["cpu_vec", "flash_nhd", "flash_hnd"]))
+    h, d, layers = 2, 3, 2
+    lay = BlockLayout(name, bs, h, d)
+    shape = (pool, h, bs, 2 * d) if name == "cpu_vec" else ((2, pool, bs, h, d) if name == "flash_nhd" else (2, pool, h, bs, d))
+    caches = [torch.randn(shape) for _ in range(layers)]
+    before = [c.clone() for c in caches]
+    planes = [lay.planes(c) for c in caches]
+    total = nblocks * bs
+    start = data.draw(st.integers(0, total - 1))
+    n = data.draw(st.integers(1, total - start))
+    first = data.draw(st.integers(0, total))
+    src = torch.randn(layers, 2, n, h, d)
+    orders = lay.orders if data.draw(st.booleans()) else ((0, 1, 2), (0, 1, 2))
+    scatter(planes, ids, bs, start, src, first=first, orders=orders)
+    ref = [lay.planes(c) for c in before]
+    for t in range(max(start, first), start + n):
+        for layer in range(layers):
+            for p in (0, 1):
+                ref[layer][p][ids[t // bs], t % bs] = src[layer, p, t - start]
+    for c, r in zip(caches, before):
+        assert torch.equal(c, r)
+    out = gather(planes, ids, bs, start, n, torch.full_like(src, float("nan")), orders)
+    want = torch.stack([torch.stack([ref[layer][p][ids[t // bs], t % bs] for t in range(start, start + n)])
+                        for layer in range(layers) for p in (0, 1)]).view(layers, 2, n, h, d)  # fmt: skip
+    assert torch.equal(out, want)
 
 
 def test_import_agentstate_needs_no_vllm() -> None:
