@@ -21,8 +21,12 @@ go on. A chunk that is missing, corrupt or late is reported through
 `get_block_ids_with_load_errors` and vLLM recomputes from there (the connector sets
 `kv_load_failure_policy` to "recompute"); a store outage is a miss.
 
-Saves: after each forward, the full chunks this step completed are deduped against the store's
-index, copied out of the blocks (the only synchronous work), and written behind on the loop.
+Saves: after each forward, the full chunks this step completed are handed to the store's loop,
+which dedupes them against the index, copies them out of the engine's blocks straight into
+canonical KV, and writes them: nothing of it runs on the step. Computed blocks never change, and
+the blocks stay the request's while it runs; a finished request's blocks are held (delay-free)
+until its copies are done, and a preempted request's copies still in flight are revoked (their
+result is dropped, never stored: the blocks may be another request's by the next forward).
 
 Sessions: a request whose `kv_transfer_params` holds `{"agentstate": {"session_id": ..., "state":
 {...}}}` is snapshotted when it finishes (its blocks are held until then): tokens with computed KV
@@ -94,7 +98,8 @@ class VllmSettings(AdapterSettings):
     lookup_timeout_s: float = Field(default=2.0, gt=0, description="longest the scheduler waits for a lookup")
     config_file: Path | None = Field(default=None, description="JSON file of StoreConfig fields (inline keys win)")
     max_pending_saves: int = Field(
-        default=256, gt=0, description="chunks copied out and not yet written; beyond it saves are dropped (counted)"
+        default=256, gt=0, description="chunks handed to the store and not yet written; beyond it saves are dropped"
+        " (counted)",
     )
     load_mode: Literal["async", "sync"] = Field(
         default="async",
@@ -197,6 +202,8 @@ class AgentStateMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     sessions: list[SessionJob] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # finished, blocks held until their copies are done
+    preempted: list[str] = field(default_factory=list)  # blocks freed this step: copies in flight revoked
 
 
 @dataclass
@@ -212,7 +219,8 @@ class _Tracked:
 # -- metrics -------------------------------------------------------------------------------------------
 
 STAT_KEYS = (
-    "hit_tokens", "loaded_tokens", "stored_tokens", "load_error_blocks", "sessions_saved", "saves_dropped", "errors",
+    "hit_tokens", "loaded_tokens", "stored_tokens", "load_error_blocks", "sessions_saved", "saves_dropped",
+    "saves_revoked", "errors",
 )  # fmt: skip
 
 
@@ -249,6 +257,7 @@ class AgentStatePromMetrics(KVConnectorPromMetrics):
             "load_error_blocks": "blocks whose agentstate load failed (recomputed)",
             "sessions_saved": "agentstate sessions snapshotted",
             "saves_dropped": "chunks not saved because the store fell behind",
+            "saves_revoked": "chunks not saved because their request was preempted while they were copied",
             "errors": "agentstate connector errors",
         }
         self.counters = {}
@@ -311,6 +320,7 @@ class AgentStateConnector(KVConnectorBase_V1):
             self._matched: dict[str, tuple[int, dict[str, Any]]] = {}
             self._loads: list[LoadJob] = []
             self._sessions: list[SessionJob] = []
+            self._released: list[str] = []
         else:
             self.rank = pc.rank if self._tp * pc.pipeline_parallel_size > 1 else 0
             self.path = data_dir(vllm_config, self.settings, self.rank)
@@ -321,10 +331,13 @@ class AgentStateConnector(KVConnectorBase_V1):
             self.caches: list[torch.Tensor] = []
             self._server: LookupServer | None = None
             self._loading: dict[str, tuple[concurrent.futures.Future[set[int]], BlocksTarget, LoadJob, float]] = {}
-            self._sending: dict[str, concurrent.futures.Future[None]] = {}
             self._writes: list[concurrent.futures.Future[None]] = []
+            # per running request: copies out of its blocks not yet done, and the flag that revokes them
+            self._reading: dict[str, list[concurrent.futures.Future[None]]] = {}
+            self._revoke: dict[str, threading.Event] = {}
+            self._held: dict[str, list[concurrent.futures.Future[None]]] = {}  # finished: blocks held for these
             self._errors: set[int] = set()
-            self._pending = 0  # chunks copied out, not yet written
+            self._pending = 0  # chunks handed to the loop, not yet written
             self._stats = AgentStateStats()
 
     # -- plumbing ----------------------------------------------------------------------------------
@@ -432,8 +445,9 @@ class AgentStateConnector(KVConnectorBase_V1):
 
     @never_raises(lambda *_, **__: AgentStateMetadata())
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = AgentStateMetadata(loads=self._loads, sessions=self._sessions)
-        self._loads, self._sessions = [], []
+        meta = AgentStateMetadata(loads=self._loads, sessions=self._sessions, released=self._released,
+                                  preempted=sorted(scheduler_output.preempted_req_ids or ()))  # fmt: skip
+        self._loads, self._sessions, self._released = [], [], []
         c = self.chunk_tokens
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -470,17 +484,23 @@ class AgentStateConnector(KVConnectorBase_V1):
 
     @never_raises(lambda *_, **__: (False, None))
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """A request naming a session is snapshotted by the worker; its blocks are held until then."""
-        self._tracked.pop(request.request_id, None)
+        """The blocks are held while the worker still copies out of them: chunks handed over for
+        saving, and a session named in kv_transfer_params (snapshotted now). The worker reports
+        the request in `get_finished` once its copies are done."""
+        tracked = self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         session = session_of(request.kv_transfer_params)
         n = min(int(request.num_computed_tokens), len(request.all_token_ids))
-        if session is None or n <= 0 or not block_ids:
-            return False, None
-        tenant = tenant_of(request.cache_salt, self.config.tenant)
-        tokens = list(request.all_token_ids[:n])
-        self._sessions.append(SessionJob(request.request_id, tenant, session[0], session[1], tokens, list(block_ids)))
-        return True, None
+        if session is not None and n > 0 and block_ids:
+            tenant = tenant_of(request.cache_salt, self.config.tenant)
+            tokens = list(request.all_token_ids[:n])
+            job = SessionJob(request.request_id, tenant, session[0], session[1], tokens, list(block_ids))
+            self._sessions.append(job)
+            return True, None
+        if tracked is not None and tracked.saved > 0:
+            self._released.append(request.request_id)
+            return True, None
+        return False, None
 
     # -- metrics -----------------------------------------------------------------------------------
 
@@ -585,6 +605,14 @@ class AgentStateConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, AgentStateMetadata)
+        for req_id in meta.preempted:  # before this step's forward, which may reuse their blocks
+            flag = self._revoke.pop(req_id, None)
+            if flag is not None:
+                flag.set()
+            self._reading.pop(req_id, None)
+        for req_id in meta.released:
+            self._held[req_id] = self._reading.pop(req_id, [])
+            self._revoke.pop(req_id, None)
         for job in meta.loads:
             self._start_load(job)
         for sjob in meta.sessions:
@@ -658,84 +686,104 @@ class AgentStateConnector(KVConnectorBase_V1):
 
     @never_raises(lambda *_, **__: None)
     def wait_for_save(self) -> None:
-        """Copy this step's completed, not yet stored chunks out of the blocks; write them behind.
-
-        On the step: dedupe against the index, then one copy of whole blocks as they lie (memcpy
-        speed). Behind it, on the store's loop: conversion to canonical KV, encode, write."""
+        """Hand this step's completed chunks to the store's loop: deduped, copied out of the blocks
+        into canonical KV and written there, off the step (see the module doc for why the blocks
+        stay valid meanwhile). Beyond `max_pending_saves` chunks in flight, saves are dropped."""
         self._writes = [f for f in self._writes if not f.done()]
         if not self.has_connector_metadata() or self.store is None or self.layout is None:
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, AgentStateMetadata)
-        if not meta.saves:
-            return
-        all_keys = [k for job in meta.saves for k in job.keys]
-        present = self._loop.run(self._known(all_keys), self.settings.timeout_s)
-        i = 0
-        per = self.chunk_tokens // self.block_size
+        ready = self._forward_done()
         for job in meta.saves:
-            todo: list[int] = []
-            for j in job.chunks:
-                if not present[i] and self._pending + len(todo) >= self.settings.max_pending_saves:
-                    self._count(saves_dropped=1)  # never stall the step behind a slow store: a later miss
-                elif not present[i]:
-                    todo.append(j)
-                i += 1
-            if todo:
-                ids = [b for j in todo for b in job.block_ids[j * per : (j + 1) * per]]
-                raw = self.layout.copy_blocks(self.caches, ids)
-                with self._count_lock:
-                    self._pending += len(todo)
-                view = self.store.for_tenant(job.tenant)
-                self._writes.append(
-                    asyncio.run_coroutine_threadsafe(self._write(view, job.tokens, todo, raw), self._loop.loop)
-                )
+            if self._pending + len(job.chunks) > self.settings.max_pending_saves:
+                self._count(saves_dropped=len(job.chunks))  # never stall the step behind a slow store
+                continue
+            with self._count_lock:
+                self._pending += len(job.chunks)
+            flag = self._revoke.setdefault(job.req_id, threading.Event())
+            read: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self._reading.setdefault(job.req_id, []).append(read)
+            self._writes.append(
+                asyncio.run_coroutine_threadsafe(self._save(job, flag, read, ready), self._loop.loop)
+            )
+
+    def _forward_done(self) -> Any:
+        """What a copy off the step waits for: nothing on CPU (the forward has returned); on CUDA an
+        event after this step's kernels."""
+        if self.caches and self.caches[0].is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            return event
+        return None
 
     async def _known(self, keys: list[str]) -> list[bool]:
         store = self._ready()
         missing = set(await store.chunks.missing(keys, durable=False)) if keys else set()
         return [i not in missing for i in range(len(keys))]
 
-    def _canonical(self, todo: list[int], raw: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Canonical KV of each chunk in `todo`, from its blocks copied out as they lay (`raw`)."""
+    def _copy_out(self, block_ids: list[int], n: int, ready: Any, flag: threading.Event | None) -> torch.Tensor | None:
+        """Canonical KV of the first `n` tokens of these blocks, or None when revoked meanwhile (the
+        copy may have read blocks another request was already writing)."""
         assert self.layout is not None
-        c, per = self.chunk_tokens, self.chunk_tokens // self.block_size
-        planes = [self.layout.planes(r) for r in raw]
-        out = {}
-        for k, j in enumerate(todo):
-            ids = list(range(k * per, (k + 1) * per))
-            out[j] = gather(planes, ids, self.block_size, 0, c, self.spec.empty_kv(c), self.layout.orders)
-        return out
+        if ready is not None:
+            ready.synchronize()
+        if flag is not None and flag.is_set():
+            return None
+        kv = gather(self.planes, block_ids, self.block_size, 0, n, self.spec.empty_kv(n), self.layout.orders)
+        if flag is not None and flag.is_set():
+            return None
+        return kv
 
-    async def _write(self, view: StateStore, tokens: list[int], todo: list[int], raw: list[torch.Tensor]) -> None:
+    async def _save(self, job: SaveJob, flag: threading.Event, read: concurrent.futures.Future[None], ready: Any) -> None:
+        c, per = self.chunk_tokens, self.chunk_tokens // self.block_size
         try:
-            chunks = await asyncio.to_thread(self._canonical, todo, raw)
-            stored = await view.put_chunks(tokens, chunks)
-            self._count(stored_tokens=stored)
+            try:
+                present = await self._known(job.keys)
+                todo = [j for j, known in zip(job.chunks, present) if not known]
+                chunks: dict[int, torch.Tensor] = {}
+                if todo:
+                    ids = [b for j in todo for b in job.block_ids[j * per : (j + 1) * per]]
+                    kv = await asyncio.to_thread(self._copy_out, ids, len(todo) * c, ready, flag)
+                    if kv is None:
+                        self._count(saves_revoked=len(todo))
+                        return
+                    chunks = {j: kv[:, :, k * c : (k + 1) * c] for k, j in enumerate(todo)}
+            finally:
+                read.set_result(None)  # the blocks are no longer read: they may be freed
+            if chunks:
+                stored = await self.store.for_tenant(job.tenant).put_chunks(job.tokens, chunks)  # type: ignore[union-attr]
+                self._count(stored_tokens=stored)
         except Exception as exc:  # noqa: BLE001 - a lost save is a later miss
             self._failed("save", exc)
         finally:
             with self._count_lock:
-                self._pending -= len(todo)
+                self._pending -= len(job.chunks)
 
     # -- sessions ----------------------------------------------------------------------------------
 
     def _start_session(self, job: SessionJob) -> None:
+        """Snapshot a finished request's session off the step; its blocks are held until copied out."""
+        read: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._held.setdefault(job.req_id, []).extend([*self._reading.pop(job.req_id, []), read])
+        self._revoke.pop(job.req_id, None)
         try:
-            store = self._ready()
-            assert self.layout is not None
-            kv = gather(self.planes, job.block_ids, self.block_size, 0, len(job.tokens),
-                        self.spec.empty_kv(len(job.tokens)), self.layout.orders)  # fmt: skip
-            view = store.for_tenant(job.tenant)
-            future = asyncio.run_coroutine_threadsafe(self._snapshot(view, job, kv), self._loop.loop)
+            self._ready()
+            self._writes.append(
+                asyncio.run_coroutine_threadsafe(self._snapshot(job, read, self._forward_done()), self._loop.loop)
+            )
         except Exception as exc:  # noqa: BLE001 - the blocks must be released either way
             self._failed("snapshot", exc)
-            future = concurrent.futures.Future()
-            future.set_result(None)
-        self._sending[job.req_id] = future
+            read.set_result(None)
 
-    async def _snapshot(self, view: StateStore, job: SessionJob, kv: torch.Tensor) -> None:
+    async def _snapshot(self, job: SessionJob, read: concurrent.futures.Future[None], ready: Any) -> None:
         try:
+            try:
+                kv = await asyncio.to_thread(self._copy_out, job.block_ids, len(job.tokens), ready, None)
+            finally:
+                read.set_result(None)
+            assert kv is not None
+            view = self._ready().for_tenant(job.tenant)
             try:
                 await view.snapshot(job.session_id, job.tokens, kv, job.state)
             except ConflictError:  # another writer of this id committed meanwhile: the newest turn wins
@@ -757,9 +805,9 @@ class AgentStateConnector(KVConnectorBase_V1):
                     future.cancel()
                 self._finish_load(req_id, timed_out=late and not future.done())
                 recving.add(req_id)
-        sending = {r for r, f in self._sending.items() if f.done()}
+        sending = {r for r, reads in self._held.items() if all(f.done() for f in reads)}
         for req_id in sending:
-            del self._sending[req_id]
+            del self._held[req_id]
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -781,7 +829,7 @@ class AgentStateConnector(KVConnectorBase_V1):
             return
         try:
             deadline = time.monotonic() + self.settings.timeout_s  # one bound for all of them
-            for f in [*self._writes, *self._sending.values()]:
+            for f in self._writes:
                 try:
                     f.result(max(0.0, deadline - time.monotonic()))
                 except Exception:  # noqa: BLE001, S110 - counted where it failed (or late: dropped)

@@ -57,18 +57,6 @@ class BlockLayout:
     dim: int
 
     @property
-    def block_dim(self) -> int:
-        """The dimension of one layer's tensor that indexes blocks."""
-        return 0 if self.name == "cpu_vec" else 1
-
-    def copy_blocks(self, layers: list[torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
-        """Whole blocks copied out as they lie (per layer, the engine's layout with `len(block_ids)`
-        blocks): the fastest copy there is, so the converting one can run later, off the step.
-        `planes()` of each returned tensor reads them as canonical K and V."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=layers[0].device)
-        return [layer.index_select(self.block_dim, ids) for layer in layers]
-
-    @property
     def orders(self) -> Orders:
         """Dim orders of `[tokens, heads, dim]` (K, V) in which the engine's memory is contiguous: copies
         iterate that way (a transposing copy walked in the other order is ~10x slower on CPU)."""

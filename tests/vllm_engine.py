@@ -5,7 +5,8 @@ JOB: {"model": dir, "connector": extra config dict or null, "chunked_prefill": b
       "rounds": [[{"tokens": [...], "max_tokens": n, "params": kv_transfer_params or null,
                    "salt": cache_salt or null}, ...], ...], "reset_between_rounds": true,
       "connector_class": optional (e.g. "ExampleConnector"), "kv_load_failure_policy": optional,
-      "probe": optional path of a safetensors file {"kv": canonical [layers, 2, n, heads, dim]}}
+      "probe": optional path of a safetensors file {"kv": canonical [layers, 2, n, heads, dim]},
+      "num_blocks": optional KV pool size in blocks, "batched": every round in one generate call}
 OUT:  {"rounds": [[{"tokens": [...], "cached": num_cached_tokens, "ttft": s, "e2e": s}]],
        "metrics": {name: value}, "probe": BlockProbe.probe_blocks's answer when asked}
 
@@ -98,6 +99,8 @@ def run(job: dict) -> dict:
         if cls == "AgentStateConnector":
             cfg["kv_connector_module_path"] = "agentstate.adapters.vllm"
         kwargs["kv_transfer_config"] = cfg
+    if job.get("num_blocks"):  # a small KV pool: requests get preempted
+        kwargs["num_gpu_blocks_override"] = job["num_blocks"]
     if job.get("probe"):
         kwargs["worker_extension_cls"] = "vllm_engine.BlockProbe"
     t0 = time.perf_counter()
@@ -111,6 +114,15 @@ def run(job: dict) -> dict:
             while not llm.reset_prefix_cache() and time.monotonic() < deadline:
                 time.sleep(0.05)
         results = []
+        if job.get("batched"):  # every request of the round in one generate call (they run together)
+            prompts = [TokensPrompt(prompt_token_ids=r["tokens"]) for r in requests]
+            sps = [SamplingParams(temperature=0.0, max_tokens=r.get("max_tokens", 8), ignore_eos=True) for r in requests]
+            t = time.perf_counter()
+            outs = llm.generate(prompts, sps, use_tqdm=False)
+            e2e = time.perf_counter() - t
+            results = [{"prompt": r["tokens"], "tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
+                        "ttft": None, "e2e": e2e} for r, o in zip(requests, outs)]  # fmt: skip
+            requests = []
         for req in requests:
             if req.get("continue"):  # the prompt and output of an earlier request, then `extra` tokens
                 r, k = req["continue"]
@@ -134,7 +146,7 @@ def run(job: dict) -> dict:
     metrics = {}
     try:
         for metric in llm.get_metrics():
-            if "agentstate" in metric.name or "external_prefix_cache" in metric.name or "prefix_cache" in metric.name:
+            if any(k in metric.name for k in ("agentstate", "external_prefix_cache", "prefix_cache", "preemptions")):
                 value = getattr(metric, "value", None)
                 if value is not None:
                     metrics[metric.name] = metrics.get(metric.name, 0) + value
