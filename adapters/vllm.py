@@ -630,9 +630,9 @@ class AgentStateConnector(KVConnectorBase_V1):
         try:
             self._ready()
             assert self.layout is not None
-            # canonical order for the scatter: measured faster than walking the engine's order here
             span_end = max([job.end, *(start + n for start, n in job.spans)])
-            target = BlocksTarget(self.planes, job.block_ids, self.block_size, job.first, span_end, stop=job.end)
+            target = BlocksTarget(self.planes, job.block_ids, self.block_size, job.first, span_end,
+                                  orders=self.layout.orders, stop=job.end)  # fmt: skip
             future = asyncio.run_coroutine_threadsafe(self._load(job, target), self._loop.loop)
         except Exception as exc:  # noqa: BLE001 - the load fails, the blocks are recomputed
             self._failed("load", exc)

@@ -131,7 +131,7 @@ def part2(tmp: Path, blocks: int) -> list[str]:
             out["copy_out"], out["write"] = statistics.median(copy), statistics.median(write)
         async with StateStore.open(tmp / "p2", spec, chunk_tokens=bs, lmdb_map_size=4 << 30) as store:
             for name in ("load_lmdb", "load_host"):  # a new process reads LMDB; then the host tier holds them
-                target = BlocksTarget(planes, [blocks + j for j in range(blocks)], bs, 0, blocks * bs)
+                target = BlocksTarget(planes, [blocks + j for j in range(blocks)], bs, 0, blocks * bs, lay.orders)
                 t = time.perf_counter()
                 n = await store.load(tokens, target)
                 out[name] = (time.perf_counter() - t) / blocks
