@@ -75,3 +75,39 @@ class BackendRefusedError(BackendError):
     the same call would fail again, so it is not retryable. A full remote store is CapacityError."""
 
     retryable = False
+
+
+class MissingDependencyError(AgentStateError, ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it
+    (`pip install 'agentstate[service]'`), `name` the missing module, `extra` the extra. Also an
+    ImportError, so `except ImportError` guards written for the raw error keep working."""
+
+    def __init__(self, message: str, *, module: str | None = None, extra: str | None = None) -> None:
+        super().__init__(message, name=module)
+        self.extra = extra
+
+    @classmethod
+    def of(cls, exc: ModuleNotFoundError, needed_for: str, extra: str | None = None) -> MissingDependencyError | None:
+        """The hint for `exc` when it names one of agentstate's optional dependencies (`extra`
+        overrides the extra named, e.g. `demo` for transformers), else None: a module missing
+        from a broken install is not something an extra fixes."""
+        top = (exc.name or "").partition(".")[0]
+        if top not in OPTIONAL_MODULES:
+            return None
+        extra = extra or OPTIONAL_MODULES[top]
+        return cls(f"{needed_for} needs {top}, which is not installed: pip install 'agentstate[{extra}]'",
+                   module=top, extra=extra)  # fmt: skip
+
+
+OPTIONAL_MODULES = {
+    "fastapi": "service",
+    "starlette": "service",
+    "uvicorn": "service",
+    "httpx": "client",
+    "redis": "remote",
+    "hiredis": "remote",
+    "mooncake": "mooncake",
+    "transformers": "transformers",
+    "matplotlib": "demo",
+}
+"""Top-level module -> the extra of pyproject.toml that installs it."""
