@@ -1,8 +1,11 @@
 """`AsyncClient`: what an agent framework or a remote engine calls to reach `agentstate serve`.
 
-    async with AsyncClient("http://127.0.0.1:8000", token) as client:
+    async with AsyncClient("http://127.0.0.1:8470", token) as client:
         await client.snapshot("agent-42", tokens, kv, {"messages": [...]})
         r = await client.resume("agent-42")        # ResumeResult, r.kv bit-exact
+
+    with Client("http://127.0.0.1:8470", token) as client:   # the same methods, blocking
+        r = client.resume("agent-42")
 
 Same models as the service (`agentstate.wire`, `agentstate.manifest`); KV travels as binary
 frames, never JSON numbers or pickle. Error responses are raised as the `agentstate.errors` type
@@ -13,6 +16,9 @@ limit) is retried: up to `retries` more times, waiting the answer's Retry-After,
 exponential backoff from `retry_backoff_s`, each wait at most `retry_max_wait_s` (with jitter).
 Such a request was refused before anything was read or stored, so retrying it is always safe;
 other errors, a backend outage's 503 included, are raised at once.
+
+The SDK needs httpx and pydantic, not torch (`pip install 'agentstate[client]'`): torch is imported
+only when KV is sent or received.
 """
 
 from __future__ import annotations
@@ -20,20 +26,26 @@ from __future__ import annotations
 import asyncio
 import builtins
 import random
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
-import httpx
-import torch
 from pydantic import BaseModel, ValidationError
 from typing_extensions import Self
 
-from agentstate import codec
-from agentstate.errors import AgentStateError, BackendError, CorruptDataError, InvalidArgumentError, NotFoundError
+from agentstate.errors import (
+    AgentStateError,
+    BackendError,
+    CorruptDataError,
+    InvalidArgumentError,
+    MissingDependencyError,
+    NotFoundError,
+)
 from agentstate.keys import CHUNK_PREFIX, token_array, validate_id
 from agentstate.manifest import ResumeResult, SessionManifest
-from agentstate.spec import DTYPE_NAMES, ModelSpec
+from agentstate.spec import ModelSpec
 from agentstate.wire import (
     CHUNK_TYPE,
     FRAME_TYPE,
@@ -56,8 +68,17 @@ from agentstate.wire import (
     split_frame,
 )
 
+try:
+    import httpx
+except ModuleNotFoundError as exc:
+    raise (MissingDependencyError.of(exc, "agentstate.client") or exc) from None
+
+if TYPE_CHECKING:
+    import torch
+
 M = TypeVar("M", bound=BaseModel)
 H = TypeVar("H", bound=KVHeader)
+T = TypeVar("T")
 _STEP = 1 << 20
 _MAX_HEADER = 1 << 30
 
@@ -65,7 +86,8 @@ _MAX_HEADER = 1 << 30
 class RemoteResumeResult(ResumeResult):
     """A ResumeResult whose `kv` is always a CPU tensor, the restored tokens' KV as received."""
 
-    kv: torch.Tensor
+    if TYPE_CHECKING:  # narrowed for type checkers only: a field typed here would need torch to import
+        kv: torch.Tensor
 
 
 class AsyncClient:
@@ -180,6 +202,8 @@ class AsyncClient:
         return await self._call("POST", path, content=body, headers=headers)
 
     async def _kv_header(self, kv: torch.Tensor, tokens: int) -> dict[str, Any]:
+        from agentstate.spec import DTYPE_NAMES
+
         spec = await self.spec()
         spec.check_kv(kv, tokens)
         return {"fingerprint": spec.fingerprint, "dtype": DTYPE_NAMES[kv.dtype], "shape": list(kv.shape)}
@@ -240,6 +264,14 @@ class AsyncClient:
     async def stats(self) -> TenantStats:
         return await self._json(TenantStats, "GET", "/v1/stats")
 
+    async def get_json(self, path: str, model: type[M]) -> M:
+        """GET a JSON route that has no method here, parsed as `model`, with the auth, retries and
+        typed errors of every call: e.g. `/v1/admin/sessions`, which `agentstate ls --url` reads
+        as `agentstate.ops.admin.SessionRow`s."""
+        if not path.startswith("/") or path.startswith("//"):  # never another host: the token goes along
+            raise InvalidArgumentError(f"not a path of the service: {path[:100]!r}")
+        return await self._json(model, "GET", path)
+
     # -- data plane ----------------------------------------------------------------------------
 
     async def match(self, tokens: Sequence[int] | torch.Tensor) -> ChunkMatch:
@@ -279,7 +311,7 @@ class AsyncClient:
         A value is bound to the key it is stored under, so bytes got under another handle (another
         tenant's, another chunk's) are refused (InvalidArgumentError): decode them, then re-encode.
         """
-        if isinstance(chunk, torch.Tensor):
+        if not isinstance(chunk, (bytes, bytearray, memoryview)):  # a tensor
             chunk = await self.encode_chunk(handle, chunk)
         path = f"/v1/chunks/{quote(handle, safe='')}"
         raw = bytes(chunk)
@@ -296,6 +328,8 @@ class AsyncClient:
 
     async def encode_chunk(self, handle: str, kv: torch.Tensor) -> bytearray:
         """One chunk of canonical KV in the codec format, bound to the key `handle` names."""
+        from agentstate import codec
+
         spec = await self.spec()
         out = codec.encode(kv, spec.fingerprint, key=await self.chunk_key(handle))
         assert isinstance(out, bytearray)
@@ -304,6 +338,8 @@ class AsyncClient:
     async def decode_chunk(self, handle: str, raw: bytes | bytearray | memoryview) -> torch.Tensor:
         """Check a chunk got from `get_chunk(handle)` completely (spec, dtype, checksum bound to the
         handle's key) and return its KV (a view over `raw`)."""
+        from agentstate import codec
+
         spec = await self.spec()
         return codec.decode(raw, key=await self.chunk_key(handle), fingerprint=spec.fingerprint, dtype=spec.torch_dtype)
 
@@ -342,3 +378,149 @@ def _error(response: httpx.Response) -> AgentStateError:
     except (ValueError, AttributeError):
         code, detail = None, response.text[:500]
     return error_from(response.status_code, code, detail if detail is not None else response.reason_phrase)
+
+
+class Client:
+    """The blocking SDK: every method of AsyncClient, with the same arguments and results.
+
+    It runs one AsyncClient on a private event loop in a daemon thread and waits for each call,
+    so frames, retries and errors are AsyncClient's own, not a second implementation over
+    httpx.Client. A private thread rather than `asyncio.run` per call: httpx's connection pool
+    belongs to one loop (a loop per call would reconnect every time), and `asyncio.run` refuses
+    to run inside a running loop (a notebook, sync code called from async code). Calls from many
+    threads at once are fine: they run concurrently on the one loop. Close it (`close()`, or
+    `with Client(...) as client:`) to end the connections and the thread.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        spec: ModelSpec | None = None,
+        timeout: float | httpx.Timeout = 60.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        retries: int = 6,
+        retry_backoff_s: float = 0.1,
+        retry_max_wait_s: float = 5.0,
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=self._loop.run_forever, name="agentstate-client", daemon=True)
+        thread.start()
+        self._stop = weakref.finalize(self, _stop_loop, self._loop, thread)
+
+        async def make() -> AsyncClient:
+            return AsyncClient(
+                base_url, token, spec=spec, timeout=timeout, transport=transport, retries=retries,
+                retry_backoff_s=retry_backoff_s, retry_max_wait_s=retry_max_wait_s,
+            )  # fmt: skip
+
+        self._async = self._wait(make())
+
+    def _wait(self, coro: Coroutine[Any, Any, T]) -> T:
+        if not self._stop.alive:
+            coro.close()
+            raise InvalidArgumentError("this Client is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # an interrupted caller (KeyboardInterrupt) leaves nothing running
+            raise
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._stop.alive:
+            self._wait(self._async.aclose())
+            self._stop()
+
+    @property
+    def retried(self) -> int:
+        """503 overloaded answers retried so far (all calls)"""
+        return self._async.retried
+
+    def spec(self) -> ModelSpec:
+        return self._wait(self._async.spec())
+
+    def service_spec(self) -> SpecInfo:
+        return self._wait(self._async.service_spec())
+
+    def snapshot(
+        self,
+        session_id: str,
+        tokens: Sequence[int] | torch.Tensor,
+        kv: torch.Tensor,
+        state: dict[str, Any] | None = None,
+        *,
+        ttl_seconds: float | None = None,
+        pinned: bool = False,
+        expected_version: int | None = None,
+        force: bool = False,
+    ) -> SessionInfo:
+        return self._wait(self._async.snapshot(
+            session_id, tokens, kv, state, ttl_seconds=ttl_seconds, pinned=pinned,
+            expected_version=expected_version, force=force,
+        ))  # fmt: skip
+
+    def resume(self, session_id: str) -> RemoteResumeResult:
+        return self._wait(self._async.resume(session_id))
+
+    def fork(self, source_id: str, new_id: str) -> SessionInfo:
+        return self._wait(self._async.fork(source_id, new_id))
+
+    def delete(self, session_id: str) -> None:
+        self._wait(self._async.delete(session_id))
+
+    def get(self, session_id: str) -> SessionManifest:
+        return self._wait(self._async.get(session_id))
+
+    def list(self) -> builtins.list[SessionInfo]:
+        return self._wait(self._async.list())
+
+    def stats(self) -> TenantStats:
+        return self._wait(self._async.stats())
+
+    def get_json(self, path: str, model: type[M]) -> M:
+        return self._wait(self._async.get_json(path, model))
+
+    def match(self, tokens: Sequence[int] | torch.Tensor) -> ChunkMatch:
+        return self._wait(self._async.match(tokens))
+
+    def put_prefix(self, tokens: Sequence[int] | torch.Tensor, kv: torch.Tensor) -> int:
+        return self._wait(self._async.put_prefix(tokens, kv))
+
+    def load(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        return self._wait(self._async.load(tokens))
+
+    def has_chunk(self, handle: str) -> bool:
+        return self._wait(self._async.has_chunk(handle))
+
+    def get_chunk(self, handle: str) -> bytes | None:
+        return self._wait(self._async.get_chunk(handle))
+
+    def put_chunk(self, handle: str, chunk: bytes | bytearray | memoryview | torch.Tensor) -> bool:
+        return self._wait(self._async.put_chunk(handle, chunk))
+
+    def chunk_key(self, handle: str) -> str:
+        return self._wait(self._async.chunk_key(handle))
+
+    def encode_chunk(self, handle: str, kv: torch.Tensor) -> bytearray:
+        return self._wait(self._async.encode_chunk(handle, kv))
+
+    def decode_chunk(self, handle: str, raw: bytes | bytearray | memoryview) -> torch.Tensor:
+        return self._wait(self._async.decode_chunk(handle, raw))
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """End a Client's loop thread (on close, or when the Client is collected or the process exits)."""
+    if loop.is_closed():
+        return
+    loop.call_soon_threadsafe(loop.stop)
+    if thread is not threading.current_thread():
+        thread.join()
+        loop.close()

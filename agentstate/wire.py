@@ -16,14 +16,16 @@ plane travel in the codec format (`agentstate.codec`), which is self-describing 
 
 Errors are a JSON body `{"error": code, "detail": ...}`; `ERRORS` maps exception types to status
 and code in one place, for the service (raising side) and the SDK (re-raising side).
+
+torch is imported only by the functions that turn bytes into tensors and back, so the SDK's
+models and errors import without it.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -42,7 +44,10 @@ from agentstate.errors import (
     SpecMismatchError,
 )
 from agentstate.manifest import SessionManifest
-from agentstate.spec import DTYPES, ModelSpec
+from agentstate.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 FRAME_TYPE = "application/vnd.agentstate.frame"
 CHUNK_TYPE = "application/vnd.agentstate.chunk"
@@ -208,11 +213,17 @@ class ChunkStored(BaseModel):
 
 
 class TenantStats(BaseModel):
+    """A tenant's part of `agentstate stats` (what `agentstate stats --url` prints)."""
+
     tenant: str
     fingerprint: str
     chunk_tokens: int
     sessions: int
     session_tokens: int
+    unique_chunks: int = Field(description="distinct full chunks the sessions name")
+    tails: int = Field(description="sessions with a partial last chunk (each its own)")
+    logical_bytes: int = Field(description="what the sessions would take stored one by one")
+    unique_bytes: int = Field(description="what they take with shared chunks stored once")
 
 
 # -- frames and KV bytes --------------------------------------------------------------------------
@@ -239,6 +250,8 @@ def split_frame(buf: bytes | bytearray | memoryview, max_header: int) -> tuple[b
 
 def kv_payload(kv: torch.Tensor) -> memoryview:
     """The bytes of `kv` as a canonical contiguous CPU tensor (no copy when it already is one)."""
+    import torch
+
     flat = kv.detach().to("cpu").contiguous().reshape(-1)
     array: Any = flat.view(torch.uint8).numpy()
     return memoryview(array).cast("B")
@@ -250,6 +263,10 @@ def checksum(payload: memoryview | bytes | bytearray) -> int:
 
 def kv_from(header: KVHeader, payload: memoryview, spec: ModelSpec | None = None) -> torch.Tensor:
     """Check a frame's payload against its header (and `spec`, when given); a tensor over its bytes."""
+    import torch
+
+    from agentstate.spec import DTYPES
+
     if spec is not None:
         if header.fingerprint != spec.fingerprint:
             raise SpecMismatchError(f"KV is for spec {header.fingerprint}, this service serves {spec.fingerprint}")
