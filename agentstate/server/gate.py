@@ -39,6 +39,7 @@ import os
 import re
 import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -80,7 +81,11 @@ class Limits(BaseSettings):
     handle_secret: str | None = Field(
         default=None,
         min_length=16,
-        description="key of chunk-handle MACs; None: random, so handles die with the process",
+        description="key of chunk-handle MACs (replicas given the same one accept each other's handles);"
+        " None: random, so handles die with the process",
+    )
+    handle_secret_file: Path | None = Field(
+        default=None, description="a file holding handle_secret (surrounding whitespace dropped), in its place"
     )
     metrics_token: str | None = Field(
         default=None, min_length=1, description="bearer token /metrics asks for; None: open"
@@ -106,8 +111,27 @@ class Limits(BaseSettings):
         default=30.0, gt=0, description="each part of an answer must be taken by the client within this"
     )
 
+    @property
+    def has_handle_secret(self) -> bool:
+        return self.handle_secret is not None or self.handle_secret_file is not None
+
     def secret(self) -> bytes:
-        raw = self.handle_secret.encode() if self.handle_secret else secrets.token_bytes(32)
+        """The key chunk handles are MACed with: from `handle_secret` or `handle_secret_file`
+        (InvalidArgumentError if both are set, or the file is unreadable or holds under 16 bytes),
+        else random bytes made now."""
+        if self.handle_secret is not None and self.handle_secret_file is not None:
+            raise InvalidArgumentError("set handle_secret or handle_secret_file, not both")
+        if self.handle_secret_file is not None:
+            try:
+                raw = self.handle_secret_file.read_bytes().strip()
+            except OSError as exc:
+                raise InvalidArgumentError(f"cannot read the handle secret file: {exc}") from None
+            if len(raw) < 16:
+                raise InvalidArgumentError(
+                    f"the handle secret in {self.handle_secret_file} is {len(raw)} bytes; it needs at least 16"
+                )
+        else:
+            raw = self.handle_secret.encode() if self.handle_secret else secrets.token_bytes(32)
         return hashlib.blake2b(raw, digest_size=32, person=b"agentstate-hsec").digest()
 
 

@@ -4,7 +4,12 @@ One process opens a data directory once and serves every tenant through `StateSt
 views. A bearer token maps to a tenant; every `/v1` route acts as that tenant only, so another
 tenant's session is 404 exactly like one that never existed (never 403: existence does not
 leak). KV travels as binary frames (`agentstate.wire`), chunks in the codec format
-(`agentstate.server.dataplane`). Ops routes: `/healthz`, `/metrics` (Prometheus text), `/openapi.json`.
+(`agentstate.server.dataplane`). Ops routes: `/healthz`, `/metrics` (Prometheus text), `/openapi.json`;
+`/v1/admin/sessions[/{id}]` are the tenant's sessions as `agentstate ls`/`inspect --url` print them.
+
+Chunk handles are MACs under `Limits.handle_secret` (or `handle_secret_file`): replicas given the
+same secret accept each other's handles; without one each process makes its own, and its handles
+stop working when it exits.
 
 Under load (see `agentstate.server.gate`): request heads and bodies have deadlines, connections a
 cap, and KV in flight a byte budget; a resume reserves its session's size before it reads a chunk,
@@ -30,9 +35,11 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from agentstate import codec
+from agentstate._version import __version__
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, InvalidArgumentError
 from agentstate.manifest import SessionManifest
+from agentstate.ops import admin
 from agentstate.ops.admin import record_spec, recorded_spec
 from agentstate.server.dataplane import Handles, register
 from agentstate.server.gate import (
@@ -66,6 +73,8 @@ from agentstate.wire import (
 
 __all__ = ["Limits", "create_app", "run", "serve"]
 log = logging.getLogger("agentstate.server.service")
+DEFAULT_PORT = 8470
+"""No engine listens here by default (vLLM 8000, SGLang 30000, TGI 8080/3000, Ollama 11434, llama.cpp 8080)."""
 DEMO_SPEC = ModelSpec(model_id="agentstate/demo-llama-8b-shape", num_layers=32, num_kv_heads=8, head_dim=128)
 """What `run` serves when given no spec and none is recorded: a Llama-3-8B KV shape, for trying it out."""
 _FRAME_BODY = {
@@ -80,7 +89,7 @@ def create_app(store: StateStore, tokens: dict[str, str], limits: Limits | None 
     ctx = ServiceContext(store, limits)
     metrics = Metrics()
     app = FastAPI(
-        title="agentstate", version="0.1.0", summary="Session resume service for LLM KV state", responses=_ERRORS
+        title="agentstate", version=__version__, summary="Session resume service for LLM KV state", responses=_ERRORS
     )
     chunk_bytes = codec.encoded_size(store.chunk_tokens * store.spec.token_bytes)
     budget = Budget(limits.max_inflight_bytes)
@@ -137,12 +146,33 @@ def _sessions(app: FastAPI, ctx: ServiceContext) -> None:
 
     @app.get("/v1/stats", response_model=TenantStats, tags=["sessions"])
     async def stats(store: Store) -> TenantStats:
-        """This tenant's sessions (operators see every tier and counter on /metrics)."""
+        """This tenant's sessions and what sharing saves them (operators see every tier and counter
+        on /metrics). The same figures as the tenant's part of `agentstate stats`."""
         found = [m async for m in store.sessions()]
+        chunks = {k: m.chunk_tokens for m in found for k in m.chunk_keys}
+        tails = [m.tail_tokens for m in found if m.tail_key]
+
+        def size(tokens: int) -> int:
+            return admin.stored_size(store.spec, tokens)
+
         return TenantStats(
             tenant=store.tenant, fingerprint=store.fingerprint, chunk_tokens=store.chunk_tokens,
-            sessions=len(found), session_tokens=sum(m.num_tokens for m in found),
+            sessions=len(found), session_tokens=sum(m.num_tokens for m in found), unique_chunks=len(chunks),
+            tails=len(tails), unique_bytes=sum(map(size, [*chunks.values(), *tails])),
+            logical_bytes=sum(len(m.chunk_keys) * size(m.chunk_tokens) + (size(m.tail_tokens) if m.tail_key else 0)
+                              for m in found),
         )  # fmt: skip
+
+    @app.get("/v1/admin/sessions", response_model=list[admin.SessionRow], tags=["admin"])
+    async def admin_sessions(store: Store) -> list[admin.SessionRow]:
+        """This tenant's sessions as `agentstate ls` lists them (chunks, tail, stored size)."""
+        return await admin.list_sessions(store)
+
+    @app.get("/v1/admin/sessions/{session_id}", response_model=admin.SessionDetail, tags=["admin"])
+    async def admin_session(session_id: str, store: Store) -> admin.SessionDetail:
+        """A session as `agentstate inspect` shows it: its manifest, and every chunk's key, size and
+        the tiers holding it."""
+        return await admin.inspect_session(store, session_id)
 
     @app.get("/v1/sessions", response_model=list[SessionInfo], tags=["sessions"])
     async def list_sessions(store: Store) -> list[SessionInfo]:
@@ -202,7 +232,7 @@ async def serve(
     spec: ModelSpec,
     *,
     host: str = "127.0.0.1",
-    port: int = 8000,
+    port: int = DEFAULT_PORT,
     tokens: dict[str, str],
     limits: Limits | None = None,
 ) -> None:
@@ -211,12 +241,18 @@ async def serve(
     before the store is closed: here that re-raise is caught)."""
     import uvicorn
 
+    limits = limits or Limits()
     async with StateStore.open(config, spec) as store:
         app = create_app(store, tokens, limits)
-        server = uvicorn.Server(uvicorn_config(app, limits or Limits(), host=host, port=port))
+        server = uvicorn.Server(uvicorn_config(app, limits, host=host, port=port))
         log.info(
             "serving %s (spec %s) on http://%s:%d, %d tokens", config.path, spec.fingerprint, host, port, len(tokens)
         )
+        if not limits.has_handle_secret:
+            log.info(
+                "chunk handles are signed with a secret made for this process: they stop working when it exits and"
+                " other replicas refuse them (set --handle-secret-file or AGENTSTATE_SERVICE_HANDLE_SECRET)"
+            )
         with _signals_caught():
             await server.serve()
         log.info("stopped serving %s; closing the store", config.path)
@@ -250,9 +286,10 @@ def run(
     path: Path,
     *,
     host: str = "127.0.0.1",
-    port: int = 8000,
+    port: int = DEFAULT_PORT,
     tokens_file: Path | None = None,
     spec: ModelSpec | None = None,
+    limits: Limits | None = None,
 ) -> None:
     """Blocking entry point of `agentstate serve`: serves until SIGINT/SIGTERM, then returns
     once requests in flight are answered and the store is closed.
@@ -263,8 +300,10 @@ def run(
       recorded there; else `DEMO_SPEC` (a Llama-3-8B KV shape, bf16), with a warning. Clients
       see the served spec on `GET /v1/spec`; KV of any other spec is refused with 409.
     - store: `StoreConfig(path=path)`, so `AGENTSTATE_*` env vars configure tiers and the rest;
-      limits and the chunk-handle secret: `AGENTSTATE_SERVICE_*` (see `Limits`).
+      limits and the chunk-handle secret: `limits`, else `AGENTSTATE_SERVICE_*` (see `Limits`).
     """
+    limits = limits or Limits()
+    limits.secret()  # a bad secret file is refused before the store opens
     asyncio.run(
         serve(
             StoreConfig(path=path),
@@ -272,7 +311,7 @@ def run(
             host=host,
             port=port,
             tokens=load_tokens(tokens_file),
-            limits=Limits(),
+            limits=limits,
         )
     )
 
