@@ -3,35 +3,58 @@
 Every admin command opens a data directory under the ModelSpec recorded in `<path>/spec.json`
 (or `--spec FILE`), runs one operation from `agentstate.ops.admin`, `agentstate.ops.verify` or
 `agentstate.ops.archive`, and prints its report: a rich table, or the report's JSON with `--json`.
-Progress bars go to stderr, so `--json` output on stdout stays parseable. Exit codes: 0 done,
-1 the operation failed with a typed error (printed to stderr) or `verify` found damage it did not
+`ls`, `inspect`, `stats`, `rm` and `fork` also take `--url URL --token TOKEN` (env
+`AGENTSTATE_URL`, `AGENTSTATE_TOKEN`) to ask a running `agentstate serve` through the SDK instead,
+as the token's tenant, and print the same reports (`stats`: the tenant's part of it).
+Progress bars and log lines go to stderr, so `--json` output on stdout stays parseable. Exit
+codes: 0 done, 1 the operation failed with a typed error (one line on stderr, no traceback; a
+missing optional dependency names the extra to install) or `verify` found damage it did not
 repair, 2 bad usage.
+
+Heavy modules (torch, the store, the service) are imported inside the commands that use them, so
+`--help` and `version` answer in a fraction of a second.
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
+import json as jsonlib
+import logging
 import sys
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
-from pydantic import BaseModel
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-from rich.progress import Progress as RichProgress
-from rich.table import Table
+from rich.markup import escape
 
-from agentstate.errors import AgentStateError
-from agentstate.spec import ModelSpec
-from agentstate.store import StateStore
+from agentstate.errors import (
+    AgentStateError,
+    DataDirLockedError,
+    MissingDependencyError,
+    NotFoundError,
+    SessionNotFoundError,
+)
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+    from rich.table import Table
+
+    from agentstate.client import AsyncClient
+    from agentstate.spec import ModelSpec
+    from agentstate.store import StateStore
 
 app = typer.Typer(help="agentstate: KV-state persistence for LLM agents", no_args_is_help=True)
 out = Console()
 err = Console(stderr=True)
 T = TypeVar("T")
+_command = "agentstate"
+"""the command running, as typed (`agentstate serve`): what an install hint says needs the extra"""
 
 PathOpt = Annotated[
     Path, typer.Option("--path", "-p", envvar="AGENTSTATE_PATH", help="data directory", show_default=True)
@@ -42,12 +65,82 @@ TenantOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the report as JSON")]
 DEFAULT_PATH = Path("agentstate-data")
+DEFAULT_PORT = 8470
+"""agentstate.server.service.DEFAULT_PORT, written here too so that `--help` needs no FastAPI."""
+# where --url is allowed the data directory has no default, so that --url and --path exclude each other
+LocalPathOpt = Annotated[
+    Path | None,
+    typer.Option("--path", "-p", envvar="AGENTSTATE_PATH", help=f"data directory (default: {DEFAULT_PATH})"),
+]
+UrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--url", envvar="AGENTSTATE_URL", help="a running `agentstate serve` to ask instead of a data directory"
+    ),
+]
+TokenOpt = Annotated[
+    str | None,
+    typer.Option("--token", envvar="AGENTSTATE_TOKEN", help="bearer token for --url (its tenant is the one shown)"),
+]
+
+
+class LogLevel(str, Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+    critical = "critical"
+
+
+class _JsonLines(logging.Formatter):
+    """One JSON object per log line: time (UTC, ISO 8601), level, logger, message[, exception]."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return jsonlib.dumps(line)
+
+
+def configure_logging(level: str = "info", as_json: bool = False) -> None:
+    """Send the `agentstate` loggers' lines at `level` and above to stderr (plain or JSON lines).
+    Other libraries' loggers are left alone (uvicorn configures its own)."""
+    handler = logging.StreamHandler(sys.stderr)
+    plain = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler.setFormatter(_JsonLines() if as_json else plain)
+    logger = logging.getLogger("agentstate")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+@app.callback()
+def _options(
+    ctx: typer.Context,
+    log_level: Annotated[
+        LogLevel,
+        typer.Option(
+            "--log-level", envvar="AGENTSTATE_LOG_LEVEL", case_sensitive=False, help="agentstate's log lines on stderr"
+        ),
+    ] = LogLevel.info,
+    log_json: Annotated[
+        bool, typer.Option("--log-json", envvar="AGENTSTATE_LOG_JSON", help="log lines as JSON objects, one a line")
+    ] = False,
+) -> None:
+    global _command
+    _command = f"{ctx.command_path} {ctx.invoked_subcommand}"
+    configure_logging(log_level.value, log_json)
 
 
 class _Bars:
     """admin.Progress drawn as rich bars on stderr."""
 
-    def __init__(self, bars: RichProgress) -> None:
+    def __init__(self, bars: Any) -> None:
         self.bars = bars
         self.task: Any = None
 
@@ -62,6 +155,9 @@ class _Bars:
 
 @contextmanager
 def _progress(enabled: bool = True) -> Iterator[Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+    from rich.progress import Progress as RichProgress
+
     from agentstate.ops.admin import QUIET
 
     if not enabled:
@@ -72,37 +168,100 @@ def _progress(enabled: bool = True) -> Iterator[Any]:
         yield _Bars(bars)
 
 
-def _run(op: Callable[[], Awaitable[T]]) -> T:
-    """Run one async operation; a typed error is a one-line message and exit code 1."""
+def _fail(exc: AgentStateError, hint: str = "") -> typer.Exit:
+    err.print(f"[red]error[/red] ({type(exc).__name__}): {escape(str(exc) + hint)}", highlight=False)
+    return typer.Exit(1)
+
+
+@contextmanager
+def _reported(extra: str | None = None, url_hint: bool = False, needs: str = "") -> Iterator[None]:
+    """A typed error is one line on stderr and exit code 1; so is a missing optional dependency:
+    the line says the command (and `needs`, what in it) needs it, and names the extra to install
+    (`extra` overriding the usual one)."""
     try:
-        return asyncio.run(op())  # type: ignore[arg-type]
+        yield
+    except DataDirLockedError as exc:
+        raise _fail(exc, " (or ask the server: --url URL --token TOKEN)" if url_hint else "") from None
+    except MissingDependencyError as exc:  # raised by a module of ours (the SDK): said for the command
+        missing = ModuleNotFoundError(name=exc.name)
+        raise _fail(MissingDependencyError.of(missing, _command + needs, extra or exc.extra) or exc) from None
     except AgentStateError as exc:
-        err.print(f"[red]error[/red] ({type(exc).__name__}): {exc}", highlight=False)
-        raise typer.Exit(1) from None
+        raise _fail(exc) from None
+    except ModuleNotFoundError as exc:
+        hint = MissingDependencyError.of(exc, _command + needs, extra)
+        if hint is None:
+            raise
+        raise _fail(hint) from None
+
+
+def _run(op: Callable[[], Awaitable[T]], url_hint: bool = False, needs: str = "") -> T:
+    """Run one async operation; errors as `_reported` says."""
+    import asyncio
+
+    with _reported(url_hint=url_hint, needs=needs):
+        return asyncio.run(op())  # type: ignore[arg-type]
+    raise AssertionError("unreachable")  # _reported raises or re-raises
 
 
 def _with_store(
     path: Path, spec: Path | None, tenant: str | None, fn: Callable[[StateStore], Awaitable[T]], *,
-    create: bool = False, model: ModelSpec | None = None, read_only: bool = False,
+    create: bool = False, model: ModelSpec | None = None, read_only: bool = False, url_hint: bool = False,
 ) -> T:  # fmt: skip
-    from agentstate.ops.admin import open_store
-
     async def go() -> T:
+        from agentstate.ops.admin import open_store
+
         async with open_store(
             path, tenant=tenant, spec_file=spec, spec=model, create=create, read_only=read_only
         ) as store:
             return await fn(store)
 
-    return _run(go)
+    return _run(go, url_hint=url_hint)
 
 
-def _emit(report: BaseModel | list[Any], as_json: bool, render: Callable[[], None]) -> None:
-    from agentstate.ops.admin import dumps
+def _remote(
+    ctx: typer.Context, url: str | None, token: str | None, path: Path | None, spec: Path | None, tenant: str | None
+) -> tuple[str, str] | None:
+    """(url, token) when the command asks a server, else None (a data directory). A server takes no
+    --path, --spec or --tenant (it knows its data and spec, the token its tenant); where one of
+    --url and --path was typed and the other came from the environment, the typed one wins."""
+    if url is None:
+        return None
+    typed = {name: getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE" for name in ("url", "path")}
+    if path is not None and typed["url"] != typed["path"]:
+        if typed["path"]:
+            return None
+        path = None
+    where = "--url" if typed["url"] else "AGENTSTATE_URL"
+    for given, name in ((path, "--path"), (spec, "--spec"), (tenant, "--tenant")):
+        if given is not None:
+            raise typer.BadParameter(f"not with {where} (the server knows its data and spec, the token its tenant)",
+                                     param_hint=name)  # fmt: skip
+    if not token:
+        raise typer.BadParameter(f"{where} needs a bearer token (--token or AGENTSTATE_TOKEN)", param_hint="--token")
+    return url, token
 
-    if as_json:
-        sys.stdout.write(dumps(report) + "\n")
-    else:
+
+def _ask(server: tuple[str, str], fn: Callable[[AsyncClient], Awaitable[T]]) -> T:
+    """One operation against a running service, through the SDK."""
+
+    async def go() -> T:
+        from agentstate.client import AsyncClient
+
+        async with AsyncClient(*server) as client:
+            return await fn(client)
+
+    return _run(go, needs=" --url")
+
+
+def _emit(report: BaseModel | list[Any] | RemoveReport, as_json: bool, render: Callable[[], None]) -> None:
+    if not as_json:
         render()
+    elif dataclasses.is_dataclass(report):
+        sys.stdout.write(jsonlib.dumps(dataclasses.asdict(report), indent=2) + "\n")
+    else:
+        from agentstate.ops.admin import dumps
+
+        sys.stdout.write(dumps(report) + "\n")
 
 
 def _size(n: int) -> str:
@@ -125,21 +284,45 @@ def demo(
     turns: Annotated[int, typer.Option(min=1, max=64, help="turns per agent, a snapshot after each")] = 4,
 ) -> None:
     """Agents on a small random-weight model, with and without agentstate: TTFT and hit rate."""
-    from agentstate.demo import main as run
+    with _reported(extra="demo"):
+        from agentstate.demo import main as run
 
-    if not run(data_dir, agents, turns):
+        done = run(data_dir, agents, turns)
+    if not done:
         raise typer.Exit(1)
 
 
-@app.command("ls")
-def ls(path: PathOpt = DEFAULT_PATH, spec: SpecOpt = None, tenant: TenantOpt = None, json: JsonOpt = False) -> None:
-    """List the tenant's sessions."""
-    from agentstate.ops.admin import list_sessions
+def _table(*columns: str) -> Table:
+    from rich.table import Table
 
-    rows = _with_store(path, spec, tenant, list_sessions, read_only=True)
+    return Table(*columns)
+
+
+@app.command("ls")
+def ls(
+    ctx: typer.Context,
+    path: LocalPathOpt = None,
+    spec: SpecOpt = None,
+    tenant: TenantOpt = None,
+    json: JsonOpt = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """List the tenant's sessions."""
+    server = _remote(ctx, url, token, path, spec, tenant)
+    if server:
+        from pydantic import RootModel
+
+        from agentstate.ops.admin import SessionRow
+
+        rows = _ask(server, lambda c: c.get_json("/v1/admin/sessions", RootModel[list[SessionRow]])).root
+    else:
+        from agentstate.ops.admin import list_sessions
+
+        rows = _with_store(path or DEFAULT_PATH, spec, tenant, list_sessions, read_only=True, url_hint=True)
 
     def render() -> None:
-        table = Table("session", "version", "tokens", "chunks", "tail", "size", "parent", "pinned", "ttl s")
+        table = _table("session", "version", "tokens", "chunks", "tail", "size", "parent", "pinned", "ttl s")
         for r in rows:
             ttl = f"{r.ttl_seconds:g}" if r.ttl_seconds else "-"
             table.add_row(
@@ -154,16 +337,30 @@ def ls(path: PathOpt = DEFAULT_PATH, spec: SpecOpt = None, tenant: TenantOpt = N
 
 @app.command()
 def inspect(
+    ctx: typer.Context,
     session: Annotated[str, typer.Argument(help="session id")],
-    path: PathOpt = DEFAULT_PATH,
+    path: LocalPathOpt = None,
     spec: SpecOpt = None,
     tenant: TenantOpt = None,
     json: JsonOpt = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
 ) -> None:
     """A session's manifest, and for each chunk its key, size and the tiers that hold it."""
-    from agentstate.ops.admin import inspect_session
+    server = _remote(ctx, url, token, path, spec, tenant)
+    if server:
+        from agentstate.keys import validate_id
+        from agentstate.ops.admin import SessionDetail
 
-    d = _with_store(path, spec, tenant, lambda s: inspect_session(s, session), read_only=True)
+        with _reported():
+            route = f"/v1/admin/sessions/{validate_id(session)}"  # checked ids are URL-safe
+        d = _ask(server, lambda c: c.get_json(route, SessionDetail))
+    else:
+        from agentstate.ops.admin import inspect_session
+
+        d = _with_store(
+            path or DEFAULT_PATH, spec, tenant, lambda s: inspect_session(s, session), read_only=True, url_hint=True
+        )
 
     def render() -> None:
         out.print(
@@ -172,8 +369,8 @@ def inspect(
             f"spec {d.fingerprint}, {d.missing} missing"
         )
         if d.state:
-            out.print(f"state: {d.state}")
-        table = Table("#", "kind", "tokens", "size", "tiers", "key")
+            out.print(f"state: {d.state}", markup=False)
+        table = _table("#", "kind", "tokens", "size", "tiers", "key")
         for c in d.chunks:
             tiers = ", ".join(c.tiers) or "[red]missing[/red]"
             table.add_row(str(c.index), c.kind, f"{c.first_token}+{c.tokens}", _size(c.bytes), tiers, c.key)
@@ -183,29 +380,136 @@ def inspect(
 
 
 @app.command()
-def stats(path: PathOpt = DEFAULT_PATH, spec: SpecOpt = None, tenant: TenantOpt = None, json: JsonOpt = False) -> None:
-    """Tiers, sessions and what sharing saves."""
+def stats(
+    ctx: typer.Context,
+    path: LocalPathOpt = None,
+    spec: SpecOpt = None,
+    tenant: TenantOpt = None,
+    json: JsonOpt = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Tiers, sessions and what sharing saves.
+
+    With --url: the token's tenant's sessions only (tiers and counters are on the server's /metrics)."""
+    server = _remote(ctx, url, token, path, spec, tenant)
+    if server:
+        t = _ask(server, lambda c: c.stats())
+
+        def render_tenant() -> None:
+            where = escape(server[0])
+            out.print(f"[bold]{where}[/bold]: tenant {t.tenant}, spec {t.fingerprint}, {t.chunk_tokens} tokens/chunk")
+            _sharing(t.sessions, t.session_tokens, t.unique_chunks, t.tails, t.unique_bytes, t.logical_bytes)
+
+        _emit(t, json, render_tenant)
+        return
     from agentstate.ops.admin import stats as run
 
-    r = _with_store(path, spec, tenant, run, read_only=True)
+    r = _with_store(path or DEFAULT_PATH, spec, tenant, run, read_only=True, url_hint=True)
 
     def render() -> None:
         out.print(
             f"[bold]{r.path}[/bold]: spec {r.spec.model_id} ({r.spec.fingerprint}), {r.chunk_tokens} tokens/chunk"
         )
-        table = Table("tier", "record", "durable", "remote", "capacity", "chunks")
+        table = _table("tier", "record", "durable", "remote", "capacity", "chunks")
         for t in r.tiers:
             cap = _size(t.capacity_bytes) if t.capacity_bytes is not None else "-"
             flags = ["yes" if f else "" for f in (t.record, t.durable, t.remote)]
             table.add_row(t.name, *flags, cap, str(t.chunks))
         out.print(table)
-        saved = 1 - r.unique_bytes / r.logical_bytes if r.logical_bytes else 0.0
-        out.print(
-            f"{r.tenant_sessions} sessions, {r.session_tokens} tokens, {r.unique_chunks} distinct chunks + {r.tails} "
-            f"tails: {_size(r.unique_bytes)} stored for {_size(r.logical_bytes)} of sessions ({saved:.0%} shared)"
-        )
+        _sharing(r.tenant_sessions, r.session_tokens, r.unique_chunks, r.tails, r.unique_bytes, r.logical_bytes)
 
     _emit(r, json, render)
+
+
+def _sharing(sessions: int, tokens: int, chunks: int, tails: int, unique: int, logical: int) -> None:
+    saved = 1 - unique / logical if logical else 0.0
+    out.print(
+        f"{sessions} sessions, {tokens} tokens, {chunks} distinct chunks + {tails} tails: {_size(unique)} stored "
+        f"for {_size(logical)} of sessions ({saved:.0%} shared)"
+    )
+
+
+@dataclass(frozen=True)
+class RemoveReport:
+    """What `agentstate rm` did: sessions removed, and those that did not exist (exit code 1)."""
+
+    removed: list[str]
+    missing: list[str]
+
+
+@app.command("rm")
+def rm(
+    ctx: typer.Context,
+    sessions: Annotated[list[str], typer.Argument(help="sessions to remove (their chunks go unless shared)")],
+    path: LocalPathOpt = None,
+    spec: SpecOpt = None,
+    tenant: TenantOpt = None,
+    json: JsonOpt = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Remove sessions (a write: refused while a server holds the directory; use --url then)."""
+    from agentstate.keys import validate_id
+
+    with _reported():
+        for sid in sessions:  # every id checked before anything is removed
+            validate_id(sid)
+
+    async def remove(delete: Callable[[str], Awaitable[None]]) -> RemoveReport:
+        removed, missing = [], []
+        for sid in dict.fromkeys(sessions):
+            try:
+                await delete(sid)
+                removed.append(sid)
+            except SessionNotFoundError:
+                missing.append(sid)
+        return RemoveReport(removed, missing)
+
+    server = _remote(ctx, url, token, path, spec, tenant)
+    if server:
+        r = _ask(server, lambda c: remove(c.delete))
+    else:
+        r = _with_store(path or DEFAULT_PATH, spec, tenant, lambda s: remove(s.delete), url_hint=True)
+
+    def render() -> None:
+        if r.removed:
+            out.print(f"removed {', '.join(r.removed)}", markup=False)
+        for sid in r.missing:
+            err.print(f"[red]error[/red] (SessionNotFoundError): no session {escape(repr(sid))}", highlight=False)
+
+    _emit(r, json, render)
+    if r.missing:
+        raise typer.Exit(1)
+
+
+@app.command()
+def fork(
+    ctx: typer.Context,
+    source: Annotated[str, typer.Argument(help="session to fork")],
+    new: Annotated[str, typer.Argument(help="id of the new session (must not exist)")],
+    path: LocalPathOpt = None,
+    spec: SpecOpt = None,
+    tenant: TenantOpt = None,
+    json: JsonOpt = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """A new session sharing every chunk of SOURCE (no copy; a write, like rm)."""
+    server = _remote(ctx, url, token, path, spec, tenant)
+    if server:
+        info = _ask(server, lambda c: c.fork(source, new))
+    else:
+
+        async def local(store: StateStore) -> Any:
+            from agentstate.wire import SessionInfo
+
+            return SessionInfo.of(await store.fork(source, new))
+
+        info = _with_store(path or DEFAULT_PATH, spec, tenant, local, url_hint=True)
+    _emit(info, json, lambda: out.print(
+        f"forked {info.parent} -> {info.session_id}: version {info.version}, {info.num_tokens} tokens", markup=False
+    ))  # fmt: skip
 
 
 @app.command()
@@ -255,12 +559,12 @@ def verify(
         r = _with_store(path, spec, None, lambda s: run(s, repair=repair, progress=bars), read_only=not repair)
 
     def render() -> None:
-        table = Table("tier", "checked", "ok", "corrupt", "missing", "repaired")
+        table = _table("tier", "checked", "ok", "corrupt", "missing", "repaired")
         for t in r.tiers:
             table.add_row(t.tier, *(str(v) for v in (t.checked, t.ok, t.corrupt, t.missing, t.repaired)))
         out.print(table)
         for b in r.corrupt:
-            out.print(f"[red]corrupt[/red] {b.tier} {b.key}: {b.problem}", highlight=False)
+            out.print(f"[red]corrupt[/red] {b.tier} {b.key}: {escape(b.problem)}", highlight=False)
         for a in r.affected:
             out.print(f"session {a.tenant}/{a.session_id}: {a.restorable_tokens} of {a.tokens} tokens restorable")
         if r.catalog_lost:
@@ -317,18 +621,26 @@ def import_(
 
     A new data directory takes the archive's spec (recorded once the import succeeds) unless
     --spec says otherwise."""
+    import asyncio
+
     from agentstate.ops.admin import record_spec, recorded_spec
     from agentstate.ops.archive import import_sessions, new_directory_undone, read_spec
 
-    fresh = spec is None and recorded_spec(path) is None
-    model = _run(lambda: asyncio.to_thread(read_spec, archive)) if fresh else None
+    with _reported():
+        fresh = spec is None and recorded_spec(path) is None
+
+    async def archive_spec() -> ModelSpec:
+        return await asyncio.to_thread(read_spec, archive)
+
+    model = _run(archive_spec) if fresh else None
     with new_directory_undone(path), _progress(not json) as bars:  # a failed import leaves no new directory
         r = _with_store(
             path, spec, tenant, lambda s: import_sessions(s, archive, tenant=tenant, force=force, progress=bars),
             create=True, model=model,
         )  # fmt: skip
         if model is not None:
-            record_spec(path, model)
+            with _reported():
+                record_spec(path, model)
     _emit(r, json, lambda: out.print(
         f"imported {r.sessions} sessions ({r.tokens} tokens) from {r.archive}, {r.replaced} replaced"
     ))  # fmt: skip
@@ -338,27 +650,58 @@ def import_(
 def serve(
     path: PathOpt = DEFAULT_PATH,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
+    port: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=65535,
+            help="port to listen on; the default is no engine's (vLLM 8000, SGLang 30000, TGI 8080, Ollama 11434)",
+        ),
+    ] = DEFAULT_PORT,
     tokens_file: Annotated[
         Path | None, typer.Option(help="JSON {bearer token: tenant} (default: env AGENTSTATE_TOKENS)")
     ] = None,
-    spec: SpecOpt = None,
+    spec: Annotated[
+        Path | None,
+        typer.Option("--spec", help="ModelSpec JSON; needed once, then recorded in <path>/spec.json"),
+    ] = None,
+    handle_secret_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="file holding the key chunk handles are signed with (16+ bytes): replicas given the same one accept"
+            " each other's handles (default: env AGENTSTATE_SERVICE_HANDLE_SECRET, else a key for this process only)"
+        ),
+    ] = None,
 ) -> None:
-    """Serve the session resume API (HTTP, OpenAPI at /docs) until SIGINT/SIGTERM."""
-    from agentstate.ops.admin import read_spec_file
-    from agentstate.server.service import run
+    """Serve the session resume API (HTTP, OpenAPI at /docs) until SIGINT/SIGTERM.
 
-    try:
-        run(path, host=host, port=port, tokens_file=tokens_file, spec=read_spec_file(spec) if spec else None)
-    except AgentStateError as exc:
-        err.print(f"[red]error[/red] ({type(exc).__name__}): {exc}", highlight=False)
-        raise typer.Exit(1) from None
+    A data directory is served under its ModelSpec: the first serve needs --spec, later ones read the one recorded; without either it refuses to start (it never guesses one)."""
+    with _reported():
+        from pydantic import ValidationError
+
+        from agentstate.errors import InvalidArgumentError
+        from agentstate.ops.admin import SPEC_FILE, read_spec_file, recorded_spec
+        from agentstate.server.gate import Limits
+        from agentstate.server.service import run
+
+        model = read_spec_file(spec) if spec else None
+        if model is None and recorded_spec(path) is None:
+            raise NotFoundError(
+                f"no ModelSpec recorded in {path / SPEC_FILE}: pass --spec FILE (ModelSpec JSON: model_id, num_layers,"
+                " num_kv_heads, head_dim, dtype) the first time; it is recorded and used from then on"
+            )
+        try:
+            limits = Limits(handle_secret_file=handle_secret_file) if handle_secret_file else Limits()
+        except ValidationError as exc:
+            wrong = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise InvalidArgumentError(f"service settings (AGENTSTATE_SERVICE_* env vars): {wrong}") from None
+        run(path, host=host, port=port, tokens_file=tokens_file, spec=model, limits=limits)
 
 
 @app.command()
 def version() -> None:
     """Print the installed version."""
-    from agentstate import __version__
+    from agentstate._version import __version__
 
     typer.echo(__version__)
 

@@ -1,21 +1,34 @@
-"""The design card's layout installs under one import name: agentstate, agentstate.backends, agentstate.adapters."""
+"""What ships: the design card's layout under one import name (agentstate, agentstate.backends,
+agentstate.adapters), py.typed, the license, one version, and an SDK that imports without torch."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import zipfile
+from email.parser import Parser
 from pathlib import Path
+
+import pytest
+
+from agentstate._version import __version__
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_wheel_holds_only_the_agentstate_package(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
-    (wheel,) = tmp_path.glob("agentstate-*.whl")
+    (built,) = out.glob("agentstate-*.whl")
+    return built
+
+
+def test_wheel_holds_only_the_agentstate_package(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"agentstate", next(t for t in tops if t.endswith(".dist-info"))}
@@ -31,3 +44,72 @@ def test_checkout_imports_resolve_to_the_same_files() -> None:
     code = "import agentstate.backends.lmdb as m, agentstate.adapters as a; print(m.__file__); print(a.__file__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(ROOT / "backends" / "lmdb.py"), str(ROOT / "adapters" / "__init__.py")]
+
+
+def test_wheel_ships_types_license_and_one_version(wheel: Path) -> None:
+    archive = zipfile.ZipFile(wheel)
+    names = archive.namelist()
+    assert "agentstate/py.typed" in names
+    dist = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
+    assert dist == f"agentstate-{__version__}.dist-info"
+    licenses = [n for n in names if n.startswith(f"{dist}/licenses/")]
+    assert licenses == [f"{dist}/licenses/LICENSE"]
+    text = archive.read(licenses[0]).decode()
+    assert text.startswith("Copyright 2026 the agentstate authors") and "Apache License" in text
+    meta = Parser().parsestr(archive.read(f"{dist}/METADATA").decode())
+    assert meta["Version"] == __version__ and meta["License-Expression"] == "Apache-2.0"
+    client = [r for r in meta.get_all("Requires-Dist") if re.search(r"extra\s*==\s*[\"']client[\"']", r)]
+    assert [r.split(";")[0].strip() for r in client] == ["httpx>=0.27"]
+
+
+def test_the_version_is_written_once() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^dynamic = \["version"\]$', pyproject, re.MULTILINE)
+    assert 'version = { attr = "agentstate._version.__version__" }' in pyproject
+    written = [
+        p.relative_to(ROOT).as_posix() for p in [*(ROOT / "agentstate").rglob("*.py"), ROOT / "pyproject.toml"]
+        if re.search(rf"""version\w*\s*[=:]\s*["']{re.escape(__version__)}["']""", p.read_text())
+    ]  # fmt: skip
+    assert written == ["agentstate/_version.py"]
+    out = subprocess.run([sys.executable, "-m", "agentstate", "version"], cwd=ROOT, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    assert out.stdout.strip() == __version__
+
+
+# Imports the modules in argv with torch (and numpy, lmdb, the service's packages) unimportable, as in
+# an environment where only `agentstate[client]`'s httpx and pydantic were installed.
+NO_TORCH = """
+import sys
+
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "numpy", "lmdb", "fastapi", "starlette", "uvicorn"):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+        return None
+
+sys.meta_path.insert(0, Blocked())
+import importlib
+for module in sys.argv[1:]:
+    importlib.import_module(module)
+"""
+
+
+def _import_without_torch(*modules: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", NO_TORCH, *modules], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+
+
+def test_package_and_cli_import_without_torch() -> None:
+    done = _import_without_torch("agentstate", "agentstate.errors", "agentstate._version", "agentstate.cli")
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="agentstate/spec.py and agentstate/manifest.py import torch at module level (the SDK's client.py and"
+    " wire.py no longer do): drop this marker once they import it lazily",
+)
+def test_sdk_imports_without_torch() -> None:
+    done = _import_without_torch("agentstate.client", "agentstate.wire")
+    assert done.returncode == 0, done.stderr
