@@ -157,6 +157,7 @@ async def _spawn_serve(
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({TOKEN: "default", BOB_TOKEN: "bob", ALICE: "alice"}))
     port = _free_port()
+    assert AGENTSTATE is not None
     proc = await asyncio.create_subprocess_exec(
         AGENTSTATE, *options, "serve", "-p", str(data), "--port", str(port), "--tokens-file", str(tokens), *serve,
         env={**os.environ, "AGENTSTATE_CHUNK_TOKENS": str(CHUNK), **(env or {})}, stderr=asyncio.subprocess.PIPE,

@@ -58,7 +58,7 @@ def test_wheel_ships_types_license_and_one_version(wheel: Path) -> None:
     assert text.startswith("Copyright 2026 the agentstate authors") and "Apache License" in text
     meta = Parser().parsestr(archive.read(f"{dist}/METADATA").decode())
     assert meta["Version"] == __version__ and meta["License-Expression"] == "Apache-2.0"
-    client = [r for r in meta.get_all("Requires-Dist") if re.search(r"extra\s*==\s*[\"']client[\"']", r)]
+    client = [r for r in meta.get_all("Requires-Dist", []) if re.search(r"extra\s*==\s*[\"']client[\"']", r)]
     assert [r.split(";")[0].strip() for r in client] == ["httpx>=0.27"]
 
 
