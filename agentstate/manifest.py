@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentstate.errors import CorruptDataError
 from agentstate.keys import ChunkKey, TailKey
+
+if TYPE_CHECKING:
+    import torch
 
 MANIFEST_MAGIC = b"ASM1"
 _HEAD = len(MANIFEST_MAGIC) + 8
@@ -76,7 +78,10 @@ class ResumeResult(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
     manifest: SessionManifest
-    kv: torch.Tensor | None
+    if TYPE_CHECKING:
+        kv: torch.Tensor | None
+    else:
+        kv: Any  # a torch.Tensor or None; not validated, so that the SDK imports without torch
     restored_tokens: int
 
     @property

@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentstate.errors import KVShapeError
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+if TYPE_CHECKING:
+    import torch
+
+    DTYPES: dict[str, torch.dtype]
+    DTYPE_NAMES: dict[torch.dtype, str]
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+"""Bytes per element of each dtype a spec may name (the keys of DTYPES, known without torch)."""
+
+
+def __getattr__(name: str) -> Any:
+    """DTYPES and DTYPE_NAMES map names to torch dtypes: built on first use, so that importing a
+    spec (the SDK does) needs no torch."""
+    if name not in ("DTYPES", "DTYPE_NAMES"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    dtypes = {n: getattr(torch, n) for n in ITEMSIZE}
+    globals().update(DTYPES=dtypes, DTYPE_NAMES={v: k for k, v in dtypes.items()})
+    return globals()[name]
 
 
 class ModelSpec(BaseModel):
@@ -42,8 +54,8 @@ class ModelSpec(BaseModel):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, value: str) -> str:
-        if value not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {value!r}")
+        if value not in ITEMSIZE:
+            raise ValueError(f"dtype must be one of {sorted(ITEMSIZE)}, got {value!r}")
         return value
 
     @model_validator(mode="after")
@@ -64,22 +76,27 @@ class ModelSpec(BaseModel):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
 
     @property
     def token_bytes(self) -> int:
         """Bytes of KV one token occupies across all layers and planes."""
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.num_layers * self.kv_planes * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_layers * self.kv_planes * self.num_kv_heads * self.head_dim * ITEMSIZE[self.dtype]
 
     def kv_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
         return (self.num_layers, self.kv_planes, num_tokens, self.num_kv_heads, self.head_dim)
 
     def empty_kv(self, num_tokens: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        import torch
+
         return torch.empty(self.kv_shape(num_tokens), dtype=self.torch_dtype, device=device)
 
     def check_kv(self, kv: object, num_tokens: int | None = None) -> torch.Tensor:
         """Return `kv` if it is canonical KV for this spec (and `num_tokens` long), else raise."""
+        import torch
+
         if not isinstance(kv, torch.Tensor):
             raise KVShapeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
         if kv.layout != torch.strided or kv.device.type == "meta" or kv.is_quantized:

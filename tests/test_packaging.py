@@ -105,11 +105,6 @@ def test_package_and_cli_import_without_torch() -> None:
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="agentstate/spec.py and agentstate/manifest.py import torch at module level (the SDK's client.py and"
-    " wire.py no longer do): drop this marker once they import it lazily",
-)
 def test_sdk_imports_without_torch() -> None:
     done = _import_without_torch("agentstate.client", "agentstate.wire")
     assert done.returncode == 0, done.stderr
