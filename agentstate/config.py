@@ -1,17 +1,44 @@
-"""Store configuration (pydantic): one object, from code, a file or `AGENTSTATE_*` env vars."""
+"""Store configuration (pydantic): one object, from code, `AGENTSTATE_*` env vars or a config file
+(`agentstate.settings` layers a file under the env; docs/config.md lists every key).
+
+Byte sizes (`Bytes` fields) take an int or a string with a unit, read as pydantic's `ByteSize`
+reads it: "512MiB", "32GiB" (powers of 1024), "32GB" (powers of 1000), "1.5TiB", 1073741824.
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from agentstate.keys import validate_id
 
 GiB = 1 << 30
 MiB = 1 << 20
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*((?:[kmgtpe]i?)?b|[kmgtpe])?\s*", re.IGNORECASE)
+
+
+def parse_size(value: object) -> object:
+    """A byte size from an int or a string like "32GiB" (units as pydantic's ByteSize: KiB..EiB are
+    powers of 1024, KB..EB and K..E powers of 1000, B bytes); anything else goes on to int validation."""
+    if isinstance(value, bool):
+        raise ValueError("a byte size is a number of bytes or a string like '32GiB', not a boolean")  # noqa: TRY004 (pydantic reports ValueError)
+    if not isinstance(value, str):
+        return value
+    found = _SIZE.fullmatch(value)
+    if found is None:
+        raise ValueError(f"{value!r} is not a byte size: use a number of bytes or a number and a unit"
+                         " (512MiB, 32GiB, 1.5TB)")  # fmt: skip
+    number, unit = found.groups()
+    return ByteSize(int(float(number) * ByteSize.byte_sizes[(unit or "b").lower()]))
+
+
+SIZE = BeforeValidator(parse_size)
+Bytes = Annotated[int, SIZE]
+"""A byte size: an int, or a string with a unit ("32GiB"); stored as an int."""
 
 
 class TierConfig(BaseModel):
@@ -19,9 +46,9 @@ class TierConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["device", "host", "lmdb", "file", "redis", "mooncake"]
+    kind: Literal["device", "host", "lmdb", "file", "redis", "mooncake"] = Field(description="the backend")
     name: str | None = Field(default=None, description="unique tier name; defaults to the kind")
-    capacity_bytes: int | None = Field(default=None, ge=0, description="cache tiers: evict beyond this")
+    capacity_bytes: Bytes | None = Field(default=None, ge=0, description="cache tiers: evict beyond this")
     path: Path | None = Field(default=None, description="lmdb/file: directory, relative to the store path")
     device: str = Field(default="cpu", description="device tier: torch device")
     o_direct: bool = Field(default=False, description="file tier: O_DIRECT reads")
@@ -42,10 +69,10 @@ class TierConfig(BaseModel):
     protocol: Literal["tcp", "rdma"] = Field(default="tcp", description="mooncake tier: transfer protocol")
     rdma_devices: str = Field(default="", description="mooncake tier: RDMA devices, comma separated")
     local_host: str = Field(default="127.0.0.1", description="mooncake tier: this client's address as peers see it")
-    segment_bytes: int = Field(
+    segment_bytes: Bytes = Field(
         default=0, ge=0, description="mooncake tier: memory this process contributes to the store (0: client only)"
     )
-    buffer_bytes: int = Field(
+    buffer_bytes: Bytes = Field(
         default=256 * MiB, gt=0, description="mooncake tier: registered arena for zero-copy reads and writes"
     )
 
@@ -65,22 +92,22 @@ class StoreConfig(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="AGENTSTATE_", extra="forbid")
 
-    path: Path = Field(default=Path("agentstate-data"), description="data directory (LMDB files)")
+    path: Path = Field(default=Path("agentstate-data"), description="data directory (catalog, LMDB files, spec.json)")
     tenant: str = Field(default="default", description="sessions and the key namespace are scoped to it")
     shared_namespace: bool = Field(
         default=False, description="opt in to one global key namespace, so tenants share prefix chunks"
     )
     chunk_tokens: int = Field(default=256, gt=0, le=1 << 16, description="tokens per chunk")
-    host_capacity_bytes: int = Field(default=4 * GiB, ge=0, description="0 disables the host tier")
-    restore_pool_bytes: int = Field(
+    host_capacity_bytes: Bytes = Field(default=4 * GiB, ge=0, description="0 disables the host tier")
+    restore_pool_bytes: Bytes = Field(
         default=2 * GiB, ge=0, description="freed restore buffers kept, touched, for the next resume"
     )
     promote_on_read: bool = Field(default=True, description="copy chunks read from LMDB into the host tier")
-    lmdb_map_size: int = Field(default=GiB, gt=0, description="initial LMDB map; it grows when full")
-    lmdb_max_map_size: int | None = Field(default=None, gt=0, description="hard limit of the LMDB map")
+    lmdb_map_size: Bytes = Field(default=GiB, gt=0, description="initial LMDB map; it grows when full")
+    lmdb_max_map_size: Bytes | None = Field(default=None, gt=0, description="hard limit of the LMDB map")
     io_depth: int = Field(default=8, gt=0, le=1024, description="chunk reads/writes in flight per call")
     io_threads: int = Field(default=4, gt=0, le=256, description="threads for blocking IO and copies")
-    batch_bytes: int = Field(default=16 * MiB, gt=0, description="target bytes per backend call")
+    batch_bytes: Bytes = Field(default=16 * MiB, gt=0, description="target bytes per backend call")
     tiers: list[TierConfig] | None = Field(
         default=None, description="tiers fast to slow; default: host (host_capacity_bytes) over lmdb"
     )
@@ -96,12 +123,21 @@ class StoreConfig(BaseSettings):
     gc_grace_seconds: float = Field(
         default=600.0, ge=0, description="shared stores: gc keeps an unreferenced chunk used this recently"
     )
-    write_policy: Literal["write_through", "write_back", "write_through_selective"] = "write_through"
+    write_policy: Literal["write_through", "write_back", "write_through_selective"] = Field(
+        default="write_through",
+        description="write_through: to every tier down to the record tier; write_back: the first cache tier, lower"
+        " tiers on eviction; write_through_selective: write_back, plus a write-down after write_through_threshold hits",
+    )
     write_through_threshold: int = Field(default=2, ge=1, description="hits before a selective write-down")
     exclusive: bool = Field(default=False, description="a promoted chunk leaves the cache tier it came from")
-    prefetch_policy: Literal["wait_complete", "best_effort", "timeout"] = "wait_complete"
-    prefetch_timeout_base_s: float = Field(default=0.05, ge=0)
-    prefetch_timeout_per_1k_tokens_s: float = Field(default=0.02, ge=0)
+    prefetch_policy: Literal["wait_complete", "best_effort", "timeout"] = Field(
+        default="wait_complete",
+        description="what load() waits for of a prefetch: all of it, what arrived, or until the timeout below",
+    )
+    prefetch_timeout_base_s: float = Field(default=0.05, ge=0, description="timeout policy: fixed part of the wait")
+    prefetch_timeout_per_1k_tokens_s: float = Field(
+        default=0.02, ge=0, description="timeout policy: added per 1000 tokens of the prefix"
+    )
 
     def tier_list(self) -> list[TierConfig]:
         if self.tiers is not None:
