@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from agentstate.backends.base import Backend, BackendStats, ReadSink
 
@@ -23,6 +24,9 @@ from agentstate.errors import AgentStateError, BackendError, BackendRefusedError
 log = logging.getLogger("agentstate.backends.redis")
 FAILED = object()  # a key whose call failed (its node was down), as opposed to a miss
 T = TypeVar("T")
+VALUE_NAMESPACES = ("c/", "t/", "p/")
+"""Where values live under the prefix: chunks and tails (`agentstate.keys`) and SGLang pages. The shared
+catalog's defaults put its `m/` hashes and `x/` records under the same `agentstate:` prefix: never values."""
 
 
 # OBJECT IDLETIME has a resolution of seconds and is reset by any read or TOUCH of the key.
@@ -60,6 +64,13 @@ class CircuitBreaker:
     @property
     def open(self) -> bool:
         return self.opened_at is not None and self.clock() - self.opened_at < self.cooldown_s
+
+    @property
+    def state(self) -> str:
+        """`closed`, `open` (calls are skipped) or `half_open` (cooled down: the next call is a probe)."""
+        if self.opened_at is None:
+            return "closed"
+        return "open" if self.open else "half_open"
 
     def success(self) -> None:
         self.failures, self.opened_at = 0, None
@@ -113,6 +124,8 @@ class RedisBackend(Backend):
         self._refusal = refusal_of
         self.prefix, self.ttl_seconds, self.timeout_s = prefix, ttl_seconds, timeout_s
         self.cluster = cluster
+        parsed = urlsplit(url)
+        self._server = f"{parsed.hostname or '127.0.0.1'}:{parsed.port or 6379}"  # never the password
         self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown_s)
         self._node_breakers: dict[str, CircuitBreaker] = {}
         self._counts: Counter[str] = Counter()
@@ -133,6 +146,32 @@ class RedisBackend(Backend):
     def trips(self) -> int:
         """Times a breaker opened: the tier's (single server) or any node's (cluster)."""
         return self.breaker.trips + sum(b.trips for b in self._node_breakers.values())
+
+    def breakers(self) -> dict[str, CircuitBreaker]:
+        """Every breaker by node: the server's `host:port`; in a cluster each node's name seen so far,
+        and `cluster` for calls not routed to one node (key listing)."""
+        return {("cluster" if self.cluster else self._server): self.breaker, **self._node_breakers}
+
+    def counters(self) -> dict[str, int]:
+        """What this process counted (reads, misses, writes, deletes, errors, refused): no call to Redis."""
+        return dict(self._counts)
+
+    async def server_memory(self) -> dict[str, tuple[int, int]]:
+        """`INFO memory` of each server: node -> (used_memory, maxmemory; 0 = no limit). One cheap call
+        per node, never a SCAN; the whole server's memory (the catalog and anything else stored there
+        included). Empty while the breaker is open or when the call fails: a scrape never waits on an
+        outage or counts as one."""
+        if self.breaker.open:
+            return {}
+        try:
+            if self.cluster:
+                info = await asyncio.wait_for(self._client.info("memory", target_nodes="primaries"), self.timeout_s)
+            else:
+                info = {self._server: await asyncio.wait_for(self._client.info("memory"), self.timeout_s)}
+        except self._errors as exc:
+            log.debug("redis INFO memory failed (%s: %s)", type(exc).__name__, exc)
+            return {}
+        return {node: (int(i.get("used_memory", 0)), int(i.get("maxmemory", 0))) for node, i in info.items()}
 
     async def _call(self, op: Callable[[], Awaitable[T]], node: str | None = None) -> T:
         """Run one round trip under the timeout and the breaker (of `node` in a cluster); failures
@@ -285,9 +324,11 @@ class RedisBackend(Backend):
         return [0 if n is FAILED else int(n) for n in got]
 
     async def stats(self) -> BackendStats:
-        """Counts and value bytes under this backend's prefix (a SCAN: for admin, not hot paths)."""
+        """Counts and value bytes under this backend's prefix (a SCAN: for admin, never for a scrape).
+        Only the value namespaces: a shared catalog under the same prefix holds hashes (STRLEN of one is
+        WRONGTYPE) and prefix records, which are not this tier's."""
         try:
-            keys = [k async for k in self.keys()]
+            keys = [k for ns in VALUE_NAMESPACES async for k in self.keys(ns)]
         except BackendError:
             keys = []  # unreachable: report the counters we have
         return BackendStats(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,6 +58,17 @@ class TierInfo:
     capacity_bytes: int | None
     used_bytes: int
     chunks: int
+
+
+@dataclass(frozen=True)
+class BreakerInfo:
+    """One circuit breaker of a remote tier (per node in a cluster)."""
+
+    tier: str
+    node: str
+    state: str
+    """closed, open (calls skipped) or half_open (cooled down: the next call is a probe)"""
+    trips: int
 
 
 class EvictResult(BaseModel):
@@ -117,6 +129,7 @@ class ChunkStore:
             batch_bytes=config.batch_bytes, promote=config.promote_on_read and not read_only, read_only=read_only,
         )  # fmt: skip
         self._deleting: dict[str, asyncio.Future[None]] = {}
+        self._counts: Counter[str] = Counter()  # prefetch_timeouts, gc_removed
         self._closed = False
 
     def _tier(self, cfg: TierConfig) -> Tier:
@@ -266,7 +279,7 @@ class ChunkStore:
         """Start reading the chunks of `keys` that no memory tier holds into owned host buffers,
         in the background (one task per batch; the IO engine bounds what is in flight). The keys
         stay pinned until the reads end; `load(..., prefetch=handle)` completes it."""
-        handle = PrefetchHandle(keys, self.pinned)
+        handle = _CountedPrefetch(keys, self.pinned, self._counts)
         slow = [k for k in keys if not self.in_memory(k)]
         runs = batches([chunk_tokens * self.spec.token_bytes] * len(slow), self.config.batch_bytes)
 
@@ -329,7 +342,9 @@ class ChunkStore:
         """gc of every local durable tier: delete what is stored under `prefixes` that nothing
         references (crash leftovers, copies of snapshots that never committed)."""
         found = await self._local_keys(prefixes)
-        return len(await self.collect([k for keys in found.values() for k in keys], refcounts))
+        removed = len(await self.collect([k for keys in found.values() for k in keys], refcounts))
+        self._counts["gc_removed"] += removed
+        return removed
 
     async def sweep_shared(self, prefixes: Sequence[str], live: set[str]) -> int:
         """gc under a shared catalog: what no manifest or prefix names goes from this host's tiers,
@@ -345,6 +360,7 @@ class ChunkStore:
             elif dead:
                 await self._manager.delete(dead, [tier])
             removed += len(dead)
+        self._counts["gc_removed"] += removed
         return removed
 
     async def adopt(self, prefixes: Iterable[str]) -> None:
@@ -414,7 +430,27 @@ class ChunkStore:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:
-        return {**self._transfer.counts, **self._manager.counts, "io_peak_in_flight": self._io.peak_in_flight}
+        return {
+            **self._transfer.counts, **self._manager.counts, **self._counts, "io_peak_in_flight": self._io.peak_in_flight,
+        }  # fmt: skip
+
+    def tier_counters(self) -> dict[str, dict[str, int]]:
+        """Per tier, what this process counted: `hits` (chunks it served), `misses` (chunks a read
+        asked of it, no faster tier having served them, that it did not serve), `read_bytes`,
+        `written_bytes`, `corrupt`, `evictions`, `promotions` (into it), `put_errors`."""
+        out: dict[str, dict[str, int]] = {t.name: {} for t in self._manager.tiers}
+        for (tier, what), n in self._manager.tier_counts.items():
+            out[tier][what] = n
+        return out
+
+    def breakers(self) -> list[BreakerInfo]:
+        """The circuit breakers of the remote tiers, read from memory (no call to the store)."""
+        out = []
+        for tier in self._manager.tiers:
+            named = getattr(tier.backend, "breakers", None)
+            found = named() if callable(named) else {"server": getattr(tier.backend, "breaker", None)}
+            out += [BreakerInfo(tier.name, node, b.state, b.trips) for node, b in found.items() if b is not None]
+        return out
 
     async def stats(self) -> list[BackendStats]:
         return [await t.backend.stats() for t in self._manager.tiers]
@@ -441,6 +477,23 @@ class ChunkStore:
                 self._pool.shutdown(wait=True)
             self._buffers.clear()
             self._lock.release()
+
+
+class _CountedPrefetch(PrefetchHandle):
+    """A prefetch handle that counts the waits its deadline cut short (`prefetch_timeouts`)."""
+
+    def __init__(
+        self, keys: Sequence[str], pinned: Callable[[Iterable[str]], contextlib.AbstractContextManager[None]],
+        counts: Counter[str],
+    ) -> None:  # fmt: skip
+        super().__init__(keys, pinned)
+        self._counts = counts
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        done = await super().wait(timeout)
+        if not done:
+            self._counts["prefetch_timeouts"] += 1
+        return done
 
 
 def _default_record(tiers: list[Tier], shared_catalog: bool) -> str:

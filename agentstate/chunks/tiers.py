@@ -73,7 +73,15 @@ class TierManager:
         self.threshold = threshold
         self.exclusive = exclusive
         self.counts: Counter[str] = Counter()
+        self.tier_counts: Counter[tuple[str, str]] = Counter()
+        """(tier, what) -> amount: hits, misses, read_bytes, written_bytes, corrupt, evictions, promotions,
+        put_errors (see `count`)"""
         self._pos = {t.name: i for i, t in enumerate(tiers)}
+
+    def count(self, tier: Tier, **amounts: int) -> None:
+        """Add to one tier's counters (what the service exports per tier)."""
+        for what, n in amounts.items():
+            self.tier_counts[(tier.name, what)] += n
 
     # -- lookup --------------------------------------------------------------------------------
 
@@ -127,6 +135,7 @@ class TierManager:
                 if tier is self.record or not isinstance(result, AgentStateError):
                     raise result
                 self.counts[f"{tier.name}_put_errors"] += 1
+                self.count(tier, put_errors=1)
                 log.warning(
                     "tier %s: put of %d chunks failed (%s); continuing without it", tier.name, len(keys), result
                 )
@@ -181,6 +190,7 @@ class TierManager:
             raise
         else:
             done.set_result(None)
+            self.count(tier, written_bytes=sum(len(v) for _, v in fits))
         finally:
             for key, _ in fits:
                 if tier.inflight.get(key) is done:
@@ -234,6 +244,7 @@ class TierManager:
                 self.counts["demotions"] += 1
         await self._remove(tier, [key])
         self.counts["evictions"] += 1
+        self.count(tier, evictions=1)
 
     async def _remove(self, tier: Tier, keys: Sequence[str]) -> None:
         for key in keys:
@@ -271,6 +282,7 @@ class TierManager:
                 if ks:
                     await self.put(target, ks, [values[k] for k in ks])
                     self.counts["promotions"] += len(ks)
+                    self.count(target, promotions=len(ks))
             if self.exclusive and tier is not self.record and upper:
                 moved = [k for k in values if self.index.holds(k, upper[-1].name)]
                 await self._remove(tier, moved)

@@ -129,14 +129,18 @@ class Transfer:
         ok = [False] * len(keys)
         pending = list(range(len(keys)))
         for tier in self.manager.tiers:
+            if not pending:
+                break
             todo = [i for i in pending if self.manager.index.holds(keys[i], tier.name)]
-            if not todo:
-                continue
-            got = await self._read_tier(
-                tier, [keys[i] for i in todo], [tokens[i] for i in todo], _remap(deliver, todo), staged
-            )
-            for i, good in zip(todo, got):
-                ok[i] = good
+            if todo:
+                got = await self._read_tier(
+                    tier, [keys[i] for i in todo], [tokens[i] for i in todo], _remap(deliver, todo), staged
+                )
+                for i, good in zip(todo, got):
+                    ok[i] = good
+            # A miss of a tier: a chunk that reached it (no faster tier served it) and that it did not serve.
+            served = sum(ok[i] for i in todo)
+            self.manager.count(tier, hits=served, misses=len(pending) - served)
             pending = [i for i in pending if not ok[i]]
         self.counts.update(chunks_read=sum(ok), chunk_misses=len(keys) - sum(ok))
         return ok
@@ -151,6 +155,7 @@ class Transfer:
         account: bool = True,
     ) -> list[bool]:
         status = ["missing"] * len(keys)
+        sizes_read = [0] * len(keys)
         owned: dict[str, Value] = {}
         keep_copy = staged is not None
         verify = not tier.backend.trusted
@@ -174,6 +179,7 @@ class Transfer:
                     status[i] = f"corrupt: {exc}"
                     return
                 status[i] = "ok"
+                sizes_read[i] = len(view)
                 if keep_copy:
                     owned[keys[i]] = copy_bytes(view)
 
@@ -189,6 +195,9 @@ class Transfer:
                 log.warning("tier %s: chunk %s is %s; treating it as a miss and dropping it", tier.name, keys[i], s)
         if corrupt:
             self.counts["corrupt"] += len(corrupt)
+            self.manager.count(tier, corrupt=len(corrupt))
+        if account:
+            self.manager.count(tier, read_bytes=sum(sizes_read))
         await self._forget(tier, missing, corrupt)
         if staged is not None:
             staged.update(owned)
