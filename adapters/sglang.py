@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar, cast
 
@@ -50,6 +51,9 @@ from agentstate.chunks import ChunkStore
 
 log = logging.getLogger("agentstate.adapters.sglang")
 PAGE_PREFIX = "p/"
+IO_STATS = ("prefetch_pgs", "prefetch_bandwidth", "backup_pgs", "backup_bandwidth")
+IO_STATS_KEPT = 4096
+"""Per-call figures kept for `get_stats` (SGLang drains them every scheduler step; a bound all the same)."""
 T = TypeVar("T")
 
 
@@ -63,6 +67,7 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
             raise InvalidArgumentError("decode-context-parallel and split-head storage are not supported")
         self.counts: Counter[str] = Counter()
         self._count_lock = threading.Lock()
+        self._io_stats: dict[str, deque[float]] = {k: deque(maxlen=IO_STATS_KEPT) for k in IO_STATS}
         self._loop = LoopThread("agentstate-sglang")
         self.store: StateStore | None = None
         self.layout: PageLayout | None = None
@@ -168,9 +173,12 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         stored = [self.storage_key(keys[i]) for i in new]
         values = [encode_page(cast(torch.Tensor, pages[i]), store.fingerprint, k) for i, k in zip(new, stored)]
         ok = [p is not None for p in pages]
+        start = time.perf_counter()
         try:
             self._run(self._put(stored, values))
             self._count(pages_set=len(new), pages_present=len(todo) - len(new))
+            if new:
+                self._record_io("backup", len(new), len(new), start)
         except Exception as exc:  # noqa: BLE001 - per page: the new pages fail, the present ones stand
             self._failed("set", exc)
             for i in new:
@@ -182,6 +190,7 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         _, layout, _ = self._ready()
         idx = [i for i, p in enumerate(pages) if p is not None]
         target = PagesTarget([cast(torch.Tensor, pages[i]) for i in idx], layout.page_size)
+        start = time.perf_counter()
         try:
             self._run(self._get([self.storage_key(keys[i]) for i in idx], target))
         except Exception as exc:  # noqa: BLE001 - per page: what was written in full still counts
@@ -192,6 +201,7 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         for j, i in enumerate(idx):
             ok[i] = j in written
         self._count(pages_read=sum(ok), page_misses=len(idx) - sum(ok))
+        self._record_io("prefetch", len(keys), sum(ok), start)
         return ok
 
     async def _present(self, keys: list[str]) -> list[bool]:
@@ -284,6 +294,35 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         for tier in chunks.tier_names:
             await chunks.delete(await chunks.scan(tier, self._prefix), [tier])
         return True
+
+    def _record_io(self, kind: str, pages: int, moved: int, start: float) -> None:
+        """One call's pages and GB/s (pages moved over its wall time) for `get_stats`, when SGLang
+        asked for storage metrics (`enable_storage_metrics`; nobody drains them otherwise)."""
+        if not self.storage_config.enable_storage_metrics or self.layout is None:
+            return
+        seconds = max(time.perf_counter() - start, 1e-9)
+        gib = moved * self.layout.numel * self.layout.dtype.itemsize / (1 << 30)
+        with self._count_lock:
+            self._io_stats[f"{kind}_pgs"].append(pages)
+            self._io_stats[f"{kind}_bandwidth"].append(gib / seconds)
+
+    def get_stats(self) -> Any:
+        """SGLang's `StorageMetrics` since the last call, as its scheduler reads them every step with
+        storage metrics on: pages and GB/s of each batch_get_v1 (prefetch) and of each batch_set_v1 that
+        wrote new pages (backup; pages already stored are not counted), the figures SGLang's own L3
+        backends report, exported by SGLang as `sglang:prefetch_pgs`, `sglang:backup_bandwidth`, ...
+        Drains what it returns. None (SGLang's "no stats") where SGLang's metrics module does not
+        import; never raises."""
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except Exception:  # noqa: BLE001 - outside a full SGLang install: no stats, not an error
+            return None
+        out = StorageMetrics()
+        with self._count_lock:
+            for name, kept in self._io_stats.items():
+                getattr(out, name).extend(kept)
+                kept.clear()
+        return out
 
     def counters(self) -> dict[str, int]:
         """This backend's counts (pages set/read/missing, bad pages, errors) and the transfer's (corrupt)."""
