@@ -11,6 +11,10 @@ codes: 0 done, 1 the operation failed with a typed error (one line on stderr, no
 missing optional dependency names the extra to install) or `verify` found damage it did not
 repair, 2 bad usage.
 
+Configuration (`agentstate.settings`, docs/config.md): flags > env vars > the config file (`--config`
+or `AGENTSTATE_CONFIG_FILE`, else the one a writer recorded in `<path>/config.json`) > defaults. Write
+commands record the config they opened with there.
+
 Heavy modules (torch, the store, the service) are imported inside the commands that use them, so
 `--help` and `version` answer in a fraction of a second.
 """
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from agentstate.client import AsyncClient
+    from agentstate.configured import Loaded
     from agentstate.spec import ModelSpec
     from agentstate.store import StateStore
 
@@ -55,6 +60,8 @@ err = Console(stderr=True)
 T = TypeVar("T")
 _command = "agentstate"
 """the command running, as typed (`agentstate serve`): what an install hint says needs the extra"""
+_config_file: Path | None = None
+"""--config / AGENTSTATE_CONFIG_FILE"""
 
 PathOpt = Annotated[
     Path, typer.Option("--path", "-p", envvar="AGENTSTATE_PATH", help="data directory", show_default=True)
@@ -131,9 +138,19 @@ def _options(
     log_json: Annotated[
         bool, typer.Option("--log-json", envvar="AGENTSTATE_LOG_JSON", help="log lines as JSON objects, one a line")
     ] = False,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            envvar="AGENTSTATE_CONFIG_FILE",
+            help="config file (TOML, YAML or JSON; docs/config.md): env vars and flags override it; default: the one"
+            " recorded in the data directory",
+        ),
+    ] = None,
 ) -> None:
-    global _command
+    global _command, _config_file
     _command = f"{ctx.command_path} {ctx.invoked_subcommand}"
+    _config_file = config
     configure_logging(log_level.value, log_json)
 
 
@@ -208,14 +225,36 @@ def _with_store(
     create: bool = False, model: ModelSpec | None = None, read_only: bool = False, url_hint: bool = False,
 ) -> T:  # fmt: skip
     async def go() -> T:
-        from agentstate.ops.admin import open_store
+        from agentstate.configured import open_configured
 
-        async with open_store(
-            path, tenant=tenant, spec_file=spec, spec=model, create=create, read_only=read_only
+        async with open_configured(
+            _configured(path, tenant), spec_file=spec, spec=model, create=create, read_only=read_only, writer=_command
         ) as store:
             return await fn(store)
 
     return _run(go, url_hint=url_hint)
+
+
+def _configured(path: Path | None, tenant: str | None = None) -> Loaded:
+    """The command's configuration (see the module docstring); a --path left at its default gives
+    way to the config file's."""
+    from agentstate.configured import load
+
+    return load(_config_file, path=path if _given("path") else None, tenant=tenant, default_path=path or DEFAULT_PATH)
+
+
+def _given(option: str) -> bool:
+    """The command's `option` was typed or came from its env var (it beats the config file)."""
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and getattr(ctx.get_parameter_source(option), "name", "DEFAULT") != "DEFAULT"
+
+
+def _data_dir(path: Path) -> Path:
+    with _reported():
+        return Path(_configured(path).store.path)
+    raise AssertionError("unreachable")  # _reported raises or re-raises
 
 
 def _remote(
@@ -287,7 +326,7 @@ def demo(
     with _reported(extra="demo"):
         from agentstate.demo import main as run
 
-        done = run(data_dir, agents, turns)
+        done = run(data_dir, agents, turns, config_file=_config_file)
     if not done:
         raise typer.Exit(1)
 
@@ -626,6 +665,7 @@ def import_(
     from agentstate.ops.admin import record_spec, recorded_spec
     from agentstate.ops.archive import import_sessions, new_directory_undone, read_spec
 
+    path = _data_dir(path)
     with _reported():
         fresh = spec is None and recorded_spec(path) is None
 
@@ -677,25 +717,33 @@ def serve(
 
     A data directory is served under its ModelSpec: the first serve needs --spec, later ones read the one recorded; without either it refuses to start (it never guesses one)."""
     with _reported():
-        from pydantic import ValidationError
+        import asyncio
 
-        from agentstate.errors import InvalidArgumentError
+        from agentstate.configured import file_spec, service_settings
         from agentstate.ops.admin import SPEC_FILE, read_spec_file, recorded_spec
-        from agentstate.server.gate import Limits
-        from agentstate.server.service import run
+        from agentstate.server.service import load_tokens, resolve_spec
+        from agentstate.server.service import serve as serving
+        from agentstate.settings import record_config_unheld
 
-        model = read_spec_file(spec) if spec else None
+        loaded = _configured(path)
+        path = Path(loaded.store.path)
+        model = read_spec_file(spec) if spec else file_spec(path, loaded.file)
         if model is None and recorded_spec(path) is None:
             raise NotFoundError(
                 f"no ModelSpec recorded in {path / SPEC_FILE}: pass --spec FILE (ModelSpec JSON: model_id, num_layers,"
-                " num_kv_heads, head_dim, dtype) the first time; it is recorded and used from then on"
+                " num_kv_heads, head_dim, dtype), or a [spec] table in the config file, the first time; it is"
+                " recorded and used from then on"
             )
-        try:
-            limits = Limits(handle_secret_file=handle_secret_file) if handle_secret_file else Limits()
-        except ValidationError as exc:
-            wrong = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            raise InvalidArgumentError(f"service settings (AGENTSTATE_SERVICE_* env vars): {wrong}") from None
-        run(path, host=host, port=port, tokens_file=tokens_file, spec=model, limits=limits)
+        flags = {"handle_secret_file": handle_secret_file} if handle_secret_file else {}
+        keys, limits = service_settings(loaded.file, **flags)  # flags > AGENTSTATE_SERVICE_* > [service]
+        host = keys.host if keys.host is not None and not _given("host") else host
+        port = keys.port if keys.port is not None and not _given("port") else port
+        tokens_file = tokens_file or keys.tokens_file
+        limits.secret()  # a bad secret file is refused before anything is written
+        tokens = load_tokens(tokens_file)
+        model = resolve_spec(path, model)
+        record_config_unheld(loaded.recordable, _command)
+        asyncio.run(serving(loaded.store, model, host=host, port=port, tokens=tokens, limits=limits))
 
 
 @app.command()

@@ -13,6 +13,10 @@ Time to first token (TTFT) is from the turn's start to its first reply token; th
 share of the turn's prompt tokens whose KV came from the store. The model is a small Llama shape
 with random weights (no downloads), so replies are gibberish, but they are compared token for
 token between the two runs. A PNG of TTFT per turn lands in the data directory.
+
+With a config file (`agentstate --config FILE demo`) the store is configured by it (tiers, sizes,
+chunk size; env vars override it) and its `path` is the data directory unless --data-dir names one;
+its [spec] is not used (the demo's model has its own).
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from rich.progress import Progress
 from rich.table import Table
 
 from agentstate import StateStore
-from agentstate.ops.admin import record_spec
+from agentstate.config import StoreConfig
 from agentstate.errors import SessionNotFoundError
+from agentstate.ops.admin import record_spec
+from agentstate.settings import read_config_file, record_config, store_config
 
 REPLY_TOKENS = 8
 VOCAB = 32000
@@ -116,7 +122,7 @@ def run_baseline(model: Any, system: list[int], users: list[list[list[int]]], pr
 
 
 async def run_stored(
-    model: Any, data_dir: Path, system: list[int], users: list[list[list[int]]], progress: Progress
+    model: Any, config: StoreConfig, system: list[int], users: list[list[list[int]]], progress: Progress
 ) -> tuple[list[Turn], int]:
     from agentstate.adapters import transformers as tf
 
@@ -125,13 +131,14 @@ async def run_stored(
     out: list[Turn] = []
     turns = len(users[0])
     pending: dict[int, int] = {}  # each agent's last reply token: sampled, not yet fed to the model
-    record_spec(data_dir, spec)  # so `agentstate ls -p DIR` and the other admin commands open it
-    store = await StateStore.open(data_dir, spec)
+    store = await StateStore.open(config, spec)
     try:
+        record_spec(config.path, spec)  # so `agentstate ls -p DIR` and the other admin commands open it,
+        record_config(config, "agentstate demo")  # under the same tiers
         for turn in range(turns):
             if turn == turns // 2 and turn:
                 await store.close()  # a restart: the host tier is gone, LMDB serves what follows
-                store = await StateStore.open(data_dir, spec)
+                store = await StateStore.open(config, spec)
             for agent, msgs in enumerate(users):
                 sid = f"agent-{agent}"
                 t0 = time.perf_counter()
@@ -193,15 +200,17 @@ def plot(result: DemoResult, path: Path) -> Path | None:
 
 def run_demo(
     data_dir: Path, *, agents: int = 4, turns: int = 4, system_tokens: int = 1536, user_tokens: int = 96,
-    layers: int = 8, console: Console | None = None,
+    layers: int = 8, console: Console | None = None, config: StoreConfig | None = None,
 ) -> DemoResult:  # fmt: skip
+    """Run both passes; the store is `config` (its path is `data_dir`), default: env vars only."""
+    config = store_config(None, path=data_dir) if config is None else config.model_copy(update={"path": data_dir})
     console = console or Console()
     model = build_model(layers)
     system, users = _script(agents, turns, system_tokens, user_tokens)
     result = DemoResult()
     with Progress(console=console, transient=True) as progress:
         result.baseline = run_baseline(model, system, users, progress)
-        result.stored, result.stored_bytes = asyncio.run(run_stored(model, data_dir, system, users, progress))
+        result.stored, result.stored_bytes = asyncio.run(run_stored(model, config, system, users, progress))
     token_bytes = 2 * model.config.num_hidden_layers * 2 * 64 * 4
     result.logical_bytes = (
         sum(t.prompt_tokens + REPLY_TOKENS - 1 for t in result.stored if t.turn == turns - 1) * token_bytes
@@ -244,15 +253,19 @@ def print_result(r: DemoResult, console: Console) -> None:
         console.print(f"plot: {r.png}")
 
 
-def main(data_dir: Path | None, agents: int, turns: int) -> bool:
-    """Run the demo in `data_dir` (default ./agentstate-demo, emptied first and kept, plot inside)."""
+def main(data_dir: Path | None, agents: int, turns: int, config_file: Path | None = None) -> bool:
+    """Run the demo in `data_dir`, else the config file's `path`, else ./agentstate-demo (emptied
+    first); the directory is kept, the plot inside."""
     console = Console()
-    path = data_dir or Path("agentstate-demo")
-    if data_dir is None and path.exists():
+    file = read_config_file(config_file) if config_file else None
+    named = data_dir or (Path(file.store["path"]) if file and "path" in file.store else None)
+    path = named or Path("agentstate-demo")
+    config = store_config(file, path=path)  # flags > env > file > defaults
+    if named is None and path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    result = run_demo(path, agents=agents, turns=turns, console=console)
+    result = run_demo(path, agents=agents, turns=turns, console=console, config=config)
     print_result(result, console)
     console.print(f"data directory: {path} ({time.perf_counter() - t0:.0f} s in all)")
     return result.replies_identical
