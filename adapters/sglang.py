@@ -45,6 +45,8 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, BackendError, InvalidArgumentError
+from agentstate.ops.admin import record_spec
+from agentstate.settings import record_config, store_config
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
 from agentstate.chunks import ChunkStore
@@ -93,7 +95,8 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         shard = f"pp{sc.pp_rank}-{sc.pp_size}.cp{sc.attn_cp_rank}-{sc.attn_cp_size}"
         if tag := getattr(mem_pool_host, "storage_format_tag", None):
             shard += f".{tag}"
-        config = StoreConfig(**{**self._overrides, "path": self.settings.path / f"tp{sc.tp_rank}-{sc.tp_size}.{shard}"})
+        rank_dir = self.settings.path / f"tp{sc.tp_rank}-{sc.tp_size}.{shard}"
+        config = store_config(None, **{**self._overrides, "path": rank_dir})  # bad keys: InvalidArgumentError
         if self.store is not None:
             self._run(self.store.close())
         self.store, self.layout = None, None
@@ -102,9 +105,13 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         self.layout = layout
 
     async def _open(self, config: StoreConfig, spec: ModelSpec) -> StateStore:
+        """Open this rank's directory, adopt its pages, and record its spec and config there, so that
+        `agentstate stats|verify|ls -p <rank dir>` open it under the same spec and tiers."""
         store = await StateStore.open(config, spec)
         try:
             await store.chunks.adopt([self._prefix])
+            record_spec(config.path, spec)
+            record_config(config, "agentstate.adapters.sglang")
         except BaseException:
             await store.close()
             raise

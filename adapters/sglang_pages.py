@@ -16,14 +16,16 @@ import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing_extensions import Self
 
 from agentstate import codec
 from agentstate.errors import BackendError, InvalidArgumentError
 from agentstate.memory import host_buffer
+from agentstate.settings import adapter_keys, problems
 from agentstate.spec import DTYPE_NAMES, ModelSpec
 from agentstate.target import GuardedTarget
 
@@ -36,21 +38,36 @@ _KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@-]{0,255}")
 
 class AdapterSettings(BaseModel):
     """The adapter's own keys of `--hicache-storage-backend-extra-config`; all other keys
-    (`tiers`, `host_capacity_bytes`, `write_policy`, ...) go to `StoreConfig` unchanged."""
+    (`tiers`, `host_capacity_bytes`, `write_policy`, ...) go to `StoreConfig` unchanged.
+
+    `config_file` (else env AGENTSTATE_CONFIG_FILE) adds a config file (docs/config.md): its
+    StoreConfig keys under the env vars, under the inline keys; its `[sglang]` table (`[vllm]` for
+    the vLLM connector) holds these keys, under the inline ones; its `path` is the data root unless
+    one is given here."""
 
     model_config = ConfigDict(extra="forbid")
+    table: ClassVar[str] = "sglang"
 
     path: Path = Field(default=Path("agentstate-hicache"), description="data root; one directory per rank below it")
     model_id: str | None = Field(default=None, description="overrides SGLang's model name in the fingerprint")
     revision: str = "main"
     timeout_s: float = Field(default=60.0, gt=0, description="longest one SGLang call waits for the store")
+    config_file: Path | None = Field(
+        default=None, description="config file (TOML, YAML, JSON) under env vars and inline keys; default: env"
+        " AGENTSTATE_CONFIG_FILE",
+    )  # fmt: skip
 
     @classmethod
-    def split(cls, extra: dict[str, Any]) -> tuple[AdapterSettings, dict[str, Any]]:
-        """(adapter settings, StoreConfig overrides) from SGLang's extra config dict."""
+    def split(cls, extra: dict[str, Any]) -> tuple[Self, dict[str, Any]]:
+        """(adapter settings, StoreConfig overrides) from an engine's extra config dict, its config
+        file folded in; a bad key or value is InvalidArgumentError."""
         own = {k: v for k, v in extra.items() if k in cls.model_fields}
         rest = {k: v for k, v in extra.items() if k not in cls.model_fields and k not in SGLANG_KEYS}
-        return cls(**own), rest
+        own, rest = adapter_keys(cls.table, own, rest)
+        try:
+            return cls(**own), rest
+        except ValidationError as exc:
+            raise InvalidArgumentError(f"agentstate {cls.table} adapter settings: {problems(exc)}") from None
 
 
 def size_of(items: object) -> int:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
-import json
 import logging
 import os
 import threading
@@ -51,7 +50,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from agentstate.adapters.sglang_pages import AdapterSettings, LoopThread, never_raises
@@ -96,7 +95,7 @@ class VllmSettings(AdapterSettings):
 
     path: Path = Field(default=Path("agentstate-vllm"), description="data directory (one per rank below it with TP/PP)")
     lookup_timeout_s: float = Field(default=2.0, gt=0, description="longest the scheduler waits for a lookup")
-    config_file: Path | None = Field(default=None, description="JSON file of StoreConfig fields (inline keys win)")
+    table: ClassVar[str] = "vllm"
     max_pending_saves: int = Field(
         default=256, gt=0, description="chunks handed to the store and not yet written; beyond it saves are dropped"
         " (counted)",
@@ -109,9 +108,9 @@ class VllmSettings(AdapterSettings):
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> tuple[VllmSettings, dict[str, Any]]:
+        """(settings, StoreConfig overrides); `config_file` (TOML, YAML or JSON; else env
+        AGENTSTATE_CONFIG_FILE) is folded in by `split`: inline keys > env vars > the file."""
         settings, rest = cls.split(extra)
-        if settings.config_file is not None:
-            rest = {**json.loads(Path(settings.config_file).read_text()), **rest}
         rest.pop("path", None)
         return settings, rest
 
