@@ -1,18 +1,24 @@
 """AgentStateStorage as the L3 of a REAL SGLang server (CPU, tiny random-weight Qwen2, float32, HiCache on).
 
-Each server is `tests/sglang_launch.py` in its own process group (tests/sglang_server.py; 17-33 s to start),
-greedy and one request at a time, so only the cache decides what is computed. Two server processes share
-one agentstate data directory:
+Each server is `tests/sglang_launch.py` in its own process group (tests/sglang_server.py; 15-33 s to start),
+greedy and one request at a time, so only the cache decides what is computed. Two lanes of servers run side
+by side (two cores), one per page size (16 and 1), each on one agentstate data directory:
 
-- first: `layer_first` host layout, the v1 (zero-copy) interface. A cold request, its pages written to L3
-  (SGLang's own backup counter), `/flush_cache` (device and host pool), the same prompt again: every
-  full page of the prompt comes from storage, and the output logprobs equal the cold run's bit for bit;
-- second: a NEW process on the same directory, `page_first_direct` layout and the generic (non-v1)
-  interface: its first request finds the pages the first process stored, with the same logprobs again;
-  then a new prompt makes the same round trip as in the first server, through this layout.
+- a chain of four servers through every host layout and interface: (`layer_first`, v1), (`page_first_direct`,
+  generic), (`page_first_direct`, v1), (`layer_first`, generic). Each server: a cold prompt, its pages written
+  to L3 (SGLang's own backup counter), `/flush_cache` (device and host pool), the same prompt again, which
+  must come from storage, every full page; and, first of all, the prompt the previous server stored: a new
+  process reading pages written under another layout and interface;
+- page 16: a fifth server after one stored page was damaged on disk (LMDB, as a failing disk would): the
+  damage is detected, that page and the rest of its prompt recomputed, outputs still equal the cold runs;
+- page 1: the same damage against SGLang's own `file` L3 (HiCacheFile), recorded: it serves the zeroed
+  pages as storage hits;
+- then two servers at once with their own directories over one Redis tier and catalog: the second gets
+  storage hits for the pages the first wrote.
 
-Page size 16. With page size 1, SGLang's own `file` L3 and this one alike give logprobs a few ulp
-(~5e-7) off the cold run's after a storage hit, while greedy tokens stay equal: not compared here.
+With page size 16 every comparison is bit for bit. With page size 1 logprobs after a storage hit are a
+few ulp (~5e-7) off the cold run's with SGLang's own `file` L3 too, while greedy tokens stay equal (measured):
+compared within 1e-5 there.
 
 Needs requirements-sglang.txt and requirements-sglang-server.txt in this venv (CI fails instead of
 skipping), a C++ compiler, ninja and OpenSSL headers (SGLang's page-hash extension is built here once).
@@ -22,10 +28,13 @@ from __future__ import annotations
 
 import random
 import shutil
+import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import pytest
 
 from tests.requires import require_module, skip_or_fail
@@ -37,12 +46,19 @@ for _name in ("uvloop", "openai_harmony", "tiktoken"):  # what only a full serve
 
 from tests.sglang_server import SGLangServer, build_native_hash, make_model
 
-PAGE = 16
-PROMPT = [random.Random(1).randrange(3, 512) for _ in range(300)]  # 18 full pages, then 12 tokens
-PROMPT2 = [random.Random(2).randrange(3, 512) for _ in range(300)]
-FULL = len(PROMPT) // PAGE * PAGE
-MAX_NEW = 8
 EXTRA = {"lmdb_map_size": 64 << 20, "host_capacity_bytes": 64 << 20}
+CHAIN = [("layer_first", True), ("page_first_direct", False), ("page_first_direct", True), ("layer_first", False)]
+MAX_NEW = 8
+N = 300  # prompt length: with page 16, 18 full pages and 12 tokens
+
+
+def prompt(page: int, i: int) -> list[int]:
+    return [random.Random(1000 * page + i).randrange(3, 512) for _ in range(N)]
+
+
+def full(page: int) -> int:
+    """Tokens of a prompt SGLang can take from storage: its full pages, at least one token left to compute."""
+    return (N - 1) // page * page
 
 
 def logprobs(out: dict[str, Any]) -> list[float]:
@@ -51,6 +67,14 @@ def logprobs(out: dict[str, Any]) -> list[float]:
 
 def cached(out: dict[str, Any]) -> dict[str, Any]:
     return dict(out["meta_info"].get("cached_tokens_details") or {})
+
+
+def same_output(a: dict[str, Any], b: dict[str, Any], page: int) -> bool:
+    if a["output_ids"] != b["output_ids"]:
+        return False
+    if page > 1:
+        return logprobs(a) == logprobs(b)  # bit for bit
+    return all(abs(x - y) <= 1e-5 for x, y in zip(logprobs(a), logprobs(b)))
 
 
 @pytest.fixture(scope="module")
@@ -73,70 +97,173 @@ def extensions(tmp: Path) -> Path:
     return ext
 
 
-@pytest.fixture(scope="module")
-def first(tmp: Path, model: str, extensions: Path) -> dict[str, Any]:
-    """Cold request, its pages backed up to L3, /flush_cache, the same prompt again: one server."""
-    server = SGLangServer(model, tmp / "first", data_dir=tmp / "data", extensions_dir=extensions, page_size=PAGE,
-                          layout="layer_first", interface_v1=True, extra=EXTRA)  # fmt: skip
+def round_trip(server: SGLangServer, tokens: list[int], page: int) -> dict[str, Any]:
+    """Cold request, its pages backed up to L3, /flush_cache, the same prompt again."""
+    before = server.metrics().get("backuped_tokens_total", 0.0)
+    cold = server.generate(tokens, MAX_NEW)
+    server.wait_backed_up(int(before) + full(page))
+    server.flush_cache()
+    warm = server.generate(tokens, MAX_NEW)
+    return {"cold": cold, "warm": warm}
+
+
+def damage_one_page(data: Path) -> bytes:
+    """Flip one payload bit of one stored page in LMDB, under the store (as a failing disk would)."""
+    (rank_dir,) = [d for d in data.iterdir() if d.name.startswith("tp0-1.")]
+    env = lmdb.open(str(rank_dir / "chunks"), map_size=64 << 20, subdir=True, max_dbs=8)
+    try:
+        with env.begin(write=True) as txn:
+            keys = sorted(k for k, _ in txn.cursor() if k.startswith(b"p/"))
+            key = keys[len(keys) // 2]
+            value = bytearray(txn.get(key))
+            value[len(value) // 2] ^= 0x10
+            txn.put(key, bytes(value))
+    finally:
+        env.close()
+    return key
+
+
+def chain(tmp: Path, model: str, ext: Path, page: int, lane: dict[str, Any]) -> None:
+    data = tmp / f"data-{page}"
+    for i, (layout, v1) in enumerate(CHAIN):
+        server = SGLangServer(model, tmp / f"p{page}-{i}", data_dir=data, extensions_dir=ext, page_size=page,
+                              layout=layout, interface_v1=v1, extra=EXTRA)  # fmt: skip
+        with server:
+            got: dict[str, Any] = {"startup_s": server.startup_s}
+            if i:
+                got["previous"] = server.generate(prompt(page, i - 1), MAX_NEW)
+            got.update(round_trip(server, prompt(page, i), page))
+        lane.setdefault("chain", []).append(got)
+
+
+def damaged_agentstate(tmp: Path, model: str, ext: Path, lane: dict[str, Any]) -> None:
+    data = tmp / "data-16"
+    lane["damaged_key"] = damage_one_page(data)
+    server = SGLangServer(model, tmp / "p16-damaged", data_dir=data, extensions_dir=ext, page_size=16, extra=EXTRA)
     with server:
-        cold = server.generate(PROMPT, MAX_NEW)
-        backed_up = server.wait_backed_up(FULL)
+        lane["after_damage"] = [server.generate(prompt(16, i), MAX_NEW) for i in range(len(CHAIN))]
+
+
+def damaged_file_l3(tmp: Path, model: str, ext: Path, lane: dict[str, Any]) -> None:
+    """The same kind of damage under SGLang's own HiCacheFile: every stored page file zeroed."""
+    data = tmp / "file-l3"
+    server = SGLangServer(model, tmp / "file", data_dir=data, extensions_dir=ext, page_size=16, storage="file")
+    with server:
+        got = round_trip(server, prompt(16, 9), 16)
+        files = [f for f in data.rglob("*") if f.is_file()]
+        for f in files:
+            f.write_bytes(bytes(f.stat().st_size))
         server.flush_cache()
-        t = time.monotonic()
-        warm = server.generate(PROMPT, MAX_NEW)
-        warm_s = time.monotonic() - t
-        metrics = server.metrics()
-    print(f"first server: started in {server.startup_s:.1f} s, storage-hit request {warm_s:.3f} s")
-    return {"cold": cold, "warm": warm, "warm_s": warm_s, "backed_up": backed_up, "metrics": metrics,
-            "startup_s": server.startup_s}  # fmt: skip
+        got["damaged"] = server.generate(prompt(16, 9), MAX_NEW)
+        got["files"] = len(files)
+    lane["file"] = got
+
+
+def shared_redis(tmp: Path, model: str, ext: Path, url: str, name: str, lane: dict[str, Any],
+                 written: threading.Event) -> None:  # fmt: skip
+    """Two servers, own directories, one Redis tier and catalog: `a` writes, then `b` reads."""
+    ns = f"sgl-{uuid.uuid4().hex[:8]}" if name == "a" else lane["ns"]
+    extra = {**EXTRA, "tiers": [{"kind": "host"}, {"kind": "redis", "url": url, "prefix": f"{ns}:t:"}],
+             "catalog_url": url, "catalog_prefix": f"{ns}:c:"}  # fmt: skip
+    server = SGLangServer(model, tmp / f"redis-{name}", data_dir=tmp / f"redis-data-{name}", extensions_dir=ext,
+                          page_size=16, extra=extra)  # fmt: skip
+    with server:
+        if name == "a":
+            lane["ns"] = ns
+            before = server.metrics().get("backuped_tokens_total", 0.0)
+            lane["redis_cold"] = server.generate(prompt(16, 7), MAX_NEW)
+            server.wait_backed_up(int(before) + full(16))
+            written.set()
+        else:
+            assert written.wait(600), "the first Redis server never wrote"
+            lane["redis_second"] = server.generate(prompt(16, 7), MAX_NEW)
 
 
 @pytest.fixture(scope="module")
-def second(tmp: Path, model: str, extensions: Path, first: dict[str, Any]) -> dict[str, Any]:
-    """A new server process on the first one's data directory (another host layout and interface)."""
-    server = SGLangServer(model, tmp / "second", data_dir=tmp / "data", extensions_dir=extensions, page_size=PAGE,
-                          layout="page_first_direct", interface_v1=False, extra=EXTRA)  # fmt: skip
-    with server:
-        t = time.monotonic()
-        out = server.generate(PROMPT, MAX_NEW)
-        first_s = time.monotonic() - t
-        metrics = server.metrics()
-        # and its own write path: a new prompt's pages leave through the page_first_direct host pool
-        before = metrics.get("backuped_tokens_total", 0.0)
-        cold2 = server.generate(PROMPT2, MAX_NEW)
-        server.wait_backed_up(int(before) + FULL)
-        server.flush_cache()
-        warm2 = server.generate(PROMPT2, MAX_NEW)
-    print(f"second server: started in {server.startup_s:.1f} s, first request {first_s:.3f} s")
-    return {"out": out, "metrics": metrics, "cold2": cold2, "warm2": warm2, "startup_s": server.startup_s}
+def runs(tmp: Path, model: str, extensions: Path, redis_server: Any) -> dict[str, Any]:
+    """Both lanes, side by side (each server is mostly one busy core)."""
+    a: dict[str, Any] = {}
+    b: dict[str, Any] = {}
+    written = threading.Event()
+
+    def lane_a() -> None:
+        chain(tmp, model, extensions, 16, a)
+        damaged_agentstate(tmp, model, extensions, a)
+        shared_redis(tmp, model, extensions, redis_server.url, "a", a, written)
+
+    def lane_b() -> None:
+        chain(tmp, model, extensions, 1, b)
+        damaged_file_l3(tmp, model, extensions, b)
+        while "ns" not in a and not written.is_set():  # the second Redis server joins the first one's namespace
+            time.sleep(0.5)
+        b["ns"] = a.get("ns")
+        shared_redis(tmp, model, extensions, redis_server.url, "b", b, written)
+
+    errors: list[BaseException] = []
+
+    def run(fn: Any) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(exc)
+            written.set()
+
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in (lane_a, lane_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return {16: a, 1: b, "redis": {**a, **b}}
 
 
-def test_flush_then_storage_hit_equal_logprobs(first: dict[str, Any], tmp: Path) -> None:
-    cold, warm = first["cold"], first["warm"]
-    assert cold["meta_info"]["cached_tokens"] == 0 and not cached(cold).get("storage")
-    assert first["backed_up"] >= FULL
-    assert list((tmp / "data").glob("tp0-1.*")), "no per-rank agentstate directory under the data dir"
-    details = cached(warm)
-    assert details["storage_backend"] == "AgentStateStorage"
-    assert details["storage"] == FULL and details["device"] == 0 and details["host"] == 0, details
-    assert warm["meta_info"]["cached_tokens"] == FULL
-    assert first["metrics"].get("storage_prefetch_hit_tokens_total") == FULL
-    assert warm["output_ids"] == cold["output_ids"]
-    assert logprobs(warm) == logprobs(cold)  # bit for bit: the KV read back is the KV SGLang computed
+@pytest.mark.parametrize("page", [16, 1])
+def test_flush_then_storage_hit_every_layout_and_interface(runs: dict[str, Any], page: int) -> None:
+    for (layout, v1), got in zip(CHAIN, runs[page]["chain"]):
+        cold, warm = got["cold"], got["warm"]
+        assert cold["meta_info"]["cached_tokens"] == 0 and not cached(cold).get("storage"), (layout, v1)
+        details = cached(warm)
+        assert details["storage_backend"] == "AgentStateStorage", (layout, v1, details)
+        assert details["storage"] == full(page) and details["device"] == 0 and details["host"] == 0, (layout, v1, details)
+        assert same_output(warm, cold, page), (layout, v1)
 
 
-def test_new_process_hits_storage_equal_logprobs(first: dict[str, Any], second: dict[str, Any]) -> None:
-    out, cold = second["out"], first["cold"]
-    details = cached(out)
-    assert details["storage_backend"] == "AgentStateStorage"
-    assert details["storage"] == FULL and details["device"] == 0 and details["host"] == 0, details
-    assert out["output_ids"] == cold["output_ids"]
-    assert logprobs(out) == logprobs(cold)
+@pytest.mark.parametrize("page", [16, 1])
+def test_new_process_reads_pages_another_layout_wrote(runs: dict[str, Any], page: int) -> None:
+    """Server i's first request is the prompt server i-1 stored: a new process, another layout or interface."""
+    steps = runs[page]["chain"]
+    for i in range(1, len(CHAIN)):
+        out, cold = steps[i]["previous"], steps[i - 1]["cold"]
+        details = cached(out)
+        assert details["storage"] == full(page) and details["device"] == 0, (CHAIN[i - 1], CHAIN[i], details)
+        assert same_output(out, cold, page), (CHAIN[i - 1], CHAIN[i])
 
 
-def test_new_process_writes_through_page_first_direct(second: dict[str, Any]) -> None:
-    cold, warm = second["cold2"], second["warm2"]
+def test_damaged_page_is_detected_and_recomputed(runs: dict[str, Any]) -> None:
+    got = runs[16]
+    hits = [cached(out).get("storage", 0) for out in got["after_damage"]]
+    # the prompt holding the damaged page reads only the pages before it; the others read everything
+    assert sorted(hits)[1:] == [full(16)] * (len(CHAIN) - 1) and hits.count(full(16)) == len(CHAIN) - 1, hits
+    assert min(hits) < full(16) and min(hits) % 16 == 0, hits
+    for out, step in zip(got["after_damage"], got["chain"]):
+        assert same_output(out, step["cold"], 16)  # never a wrong token, bit for bit
+
+
+def test_sglang_file_l3_serves_damaged_pages(runs: dict[str, Any]) -> None:
+    """The negative control, recorded: SGLang's HiCacheFile reads zeroed page files back as hits."""
+    got = runs[1]["file"]
+    assert got["files"] > 0 and same_output(got["warm"], got["cold"], 16)
+    storage = cached(got["damaged"]).get("storage", 0)
+    changed = not same_output(got["damaged"], got["cold"], 16)
+    print(f"HiCacheFile after zeroing {got['files']} page files: storage hits {storage}, output changed: {changed}")
+    assert storage == full(16)  # served as hits: it has no checksum (if this fails, SGLang learned to check)
+
+
+def test_two_servers_share_one_redis_tier(runs: dict[str, Any]) -> None:
+    got = runs["redis"]
+    cold, second = got["redis_cold"], got["redis_second"]
     assert cold["meta_info"]["cached_tokens"] == 0
-    details = cached(warm)
-    assert details["storage"] == FULL and details["device"] == 0 and details["host"] == 0, details
-    assert warm["output_ids"] == cold["output_ids"] and logprobs(warm) == logprobs(cold)
+    details = cached(second)
+    assert details["storage"] == full(16) and details["device"] == 0, details
+    assert same_output(second, cold, 16)
