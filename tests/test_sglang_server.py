@@ -133,6 +133,7 @@ def chain(tmp: Path, model: str, ext: Path, page: int, lane: dict[str, Any]) -> 
             if i:
                 got["previous"] = server.generate(prompt(page, i - 1), MAX_NEW)
             got.update(round_trip(server, prompt(page, i), page))
+            got["metrics"] = server.metrics()
         lane.setdefault("chain", []).append(got)
 
 
@@ -227,6 +228,18 @@ def test_flush_then_storage_hit_every_layout_and_interface(runs: dict[str, Any],
         assert details["storage_backend"] == "AgentStateStorage", (layout, v1, details)
         assert details["storage"] == full(page) and details["device"] == 0 and details["host"] == 0, (layout, v1, details)
         assert same_output(warm, cold, page), (layout, v1)
+
+
+def test_sglang_metrics_show_agentstate_l3(runs: dict[str, Any]) -> None:
+    """AgentStateStorage.get_stats() feeds SGLang's own storage metrics (`--enable-metrics`): the pages
+    each server read from and wrote to agentstate, and the bandwidth of those calls."""
+    for page in (16, 1):
+        for (layout, v1), got in zip(CHAIN, runs[page]["chain"]):
+            m = got["metrics"]
+            read = full(page) // page * (2 if got.get("previous") else 1)  # pages of the storage-hit requests
+            assert m.get("prefetch_pgs_sum", 0) >= read and m.get("prefetch_pgs_count", 0) >= 1, (page, layout, v1)
+            assert m.get("backup_pgs_sum", 0) >= full(page) // page, (page, layout, v1)
+            assert m.get("prefetch_bandwidth_count", 0) >= 1, (page, layout, v1)
 
 
 @pytest.mark.parametrize("page", [16, 1])
