@@ -1,116 +1,274 @@
-"""Prometheus text exposition (format 0.0.4), written by hand: request counters and latency
-histograms of the service, and the store's own counters and per-tier figures.
+"""The service's Prometheus metrics, through `prometheus_client`: requests and latencies, and the
+store's tiers, counters and breakers.
+
+Each app has its own `CollectorRegistry` (a process may hold several apps: tests do). Request
+metrics are prometheus_client counters and histograms; the store's figures come from one custom
+collector that reads, at scrape time, what the chunk layer counts in memory. Nothing a scrape does
+lists a store: local tiers answer from their own bookkeeping (LMDB: one `stat`), a Redis tier gives
+its breakers and counters from memory and one `INFO memory` per server, and the sessions gauge is
+left out when the catalog is shared (counting it would SCAN Redis).
+
+Processes: `agentstate serve` is one process (it holds the data directory's lock), so the store
+collector is per process by nature: its gauges are live readings of one store. With
+`PROMETHEUS_MULTIPROC_DIR` set, the request metrics go to prometheus_client's multiprocess files
+and /metrics aggregates that directory (`MultiProcessCollector`), plus this process's store
+collector. (prometheus_client reads the variable when it is first imported.)
 
 Labels are bounded: a route is its template (`/v1/sessions/{session_id}`), never a concrete path,
-and no label names a tenant, so /metrics neither grows with traffic nor lists who uses the service.
+a tier is its configured name, a node a Redis `host:port`; no label names a tenant, so /metrics
+neither grows with traffic nor lists who uses the service.
 """
 
 from __future__ import annotations
 
-import re
-from collections import Counter, defaultdict
-from collections.abc import Iterable
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
-from agentstate.store import StoreStats
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+from agentstate._version import __version__
+from agentstate.backends.base import BackendStats
+from agentstate.chunks.store import BreakerInfo, TierInfo
+from agentstate.store import StateStore
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""What `generate_latest` writes (Prometheus 2 and 3 both read it)."""
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_NAME_BAD = re.compile(r"[^a-zA-Z0-9_]")
-_TIER_FIELDS = ("items", "bytes_used", "capacity_bytes")
-_TIER_OPS = ("reads", "writes", "deletes", "misses", "errors", "evictions")
+BREAKER_STATES = ("closed", "open", "half_open")
+_TIER_COUNTERS = {  # chunk-layer counter -> (family, help)
+    "hits": ("agentstate_tier_hits", "Chunks a tier served intact to a read."),
+    "misses": (
+        "agentstate_tier_misses",
+        (
+            "Chunks a read asked of a tier, no faster tier having served them, that it did not serve (not held,"
+            " absent or corrupt); hits / (hits + misses) is the tier's hit rate."
+        ),
+    ),
+    "read_bytes": ("agentstate_tier_read_bytes", "Bytes of the chunks a tier served."),
+    "written_bytes": (
+        "agentstate_tier_written_bytes",
+        "Bytes this process stored into a tier (stores, promotions, demotions).",
+    ),
+    "corrupt": (
+        "agentstate_tier_corrupt_chunks",
+        "Chunks of a tier that failed their checks (dropped, read as misses).",
+    ),
+    "evictions": ("agentstate_tier_evictions", "Chunks evicted from a cache tier by the chunk layer."),
+    "promotions": ("agentstate_tier_promotions", "Chunks promoted into a tier after a read from a slower one."),
+    "put_errors": (
+        "agentstate_tier_put_errors",
+        "Failed writes to a cache or remote tier (skipped; the chunk is simply not there).",
+    ),
+}
+_STORE_COUNTERS = {  # chunk-layer counter -> (family, help)
+    "prefetch_timeouts": (
+        "agentstate_prefetch_timeouts",
+        "Loads whose prefetch had not finished by its deadline (best_effort, timeout): the rest was reported not loaded.",
+    ),
+    "gc_removed": ("agentstate_gc_removed_chunks", "Chunks and tails gc removed (unreferenced)."),
+    "demotions": ("agentstate_demotions", "Chunks written down to a slower tier before their eviction."),
+    "cleanup_errors": ("agentstate_cleanup_errors", "Failed deletes of chunks a read found bad (retried later)."),
+}
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+@dataclass
+class StoreFigures:
+    """What one scrape reads of the store (gathered before the text is written, since that is sync)."""
+
+    sessions: int | None
+    indexed_keys: int
+    tiers: list[TierInfo]
+    tier_counts: dict[str, dict[str, int]]
+    counters: dict[str, int]
+    breakers: list[BreakerInfo]
+    local: dict[str, BackendStats] = field(default_factory=dict)
+    remote_errors: dict[str, int] = field(default_factory=dict)
+    lmdb_map: dict[str, int] = field(default_factory=dict)
+    lmdb_limit: dict[str, int] = field(default_factory=dict)
+    disk_free: dict[str, int] = field(default_factory=dict)
+    server_memory: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    inflight_bytes: int = 0
 
 
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
-
-
-def _number(value: float) -> str:
-    if value == float("inf"):
-        return "+Inf"
-    return repr(float(value)) if isinstance(value, float) else str(value)
-
-
-class _Family:
-    def __init__(self, name: str, kind: str, help_text: str) -> None:
-        self.head = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        self.name = name
-        self.samples: list[str] = []
-
-    def add(self, value: float, suffix: str = "", **labels: str) -> None:
-        self.samples.append(f"{self.name}{suffix}{_labels(labels)} {_number(value)}")
-
-    def lines(self) -> list[str]:
-        return self.head + self.samples
+async def gather(store: StateStore, inflight_bytes: int = 0) -> StoreFigures:
+    """Read the store's figures without listing any tier (see the module doc)."""
+    chunks = store.chunks
+    figures = StoreFigures(
+        sessions=None if store.catalog.shared else await store.catalog.session_count(),
+        indexed_keys=len(chunks), tiers=chunks.tier_info(), tier_counts=chunks.tier_counters(),
+        counters=chunks.counters(), breakers=chunks.breakers(), inflight_bytes=inflight_bytes,
+    )  # fmt: skip
+    for info in figures.tiers:
+        backend = chunks.backend(info.name)
+        if info.remote:
+            counters = getattr(backend, "counters", None)
+            if callable(counters):
+                figures.remote_errors[info.name] = int(counters().get("errors", 0))
+            memory = getattr(backend, "server_memory", None)
+            if callable(memory):
+                figures.server_memory[info.name] = await memory()
+            continue
+        stats = figures.local[info.name] = await backend.stats()
+        if info.kind == "lmdb":  # stats' capacity is the hard limit when one is set, else the current map
+            limit = getattr(backend, "max_map_size", None)
+            (figures.lmdb_limit if limit else figures.lmdb_map)[info.name] = int(stats.capacity_bytes or 0)
+        root = getattr(backend, "path", None) or getattr(backend, "root", None)
+        if info.durable and root is not None:
+            try:
+                st = os.statvfs(root)
+            except OSError:
+                continue
+            figures.disk_free[info.name] = st.f_bavail * st.f_frsize
+    return figures
 
 
 class Metrics:
-    """Request counters and latency histograms, fed by the service's middleware."""
+    """The registry of one app: request metrics fed by the Gate middleware, session latencies fed by
+    the routes, and the store collector."""
 
     def __init__(self) -> None:
-        self.requests: Counter[tuple[str, str, str]] = Counter()
-        self.body_bytes: Counter[str] = Counter()
-        self._buckets: defaultdict[tuple[str, str], list[int]] = defaultdict(lambda: [0] * len(BUCKETS))
-        self._sum: defaultdict[tuple[str, str], float] = defaultdict(float)
-        self._count: Counter[tuple[str, str]] = Counter()
+        self.registry = CollectorRegistry()
+        # prometheus_client picks file-backed values when it is imported with PROMETHEUS_MULTIPROC_DIR set.
+        multiproc = values.ValueClass is not values.MutexValue
+        reg = None if multiproc else self.registry  # multiprocess: values live in files, read by the collector
+        self.requests = Counter("agentstate_http_requests", "HTTP requests answered.", ["method", "route", "status"],
+                                registry=reg)  # fmt: skip
+        self.body_bytes = Counter("agentstate_http_request_body_bytes", "Request body bytes received.", ["route"],
+                                  registry=reg)  # fmt: skip
+        self.latency = Histogram("agentstate_http_request_duration_seconds", "Time to answer a request.",
+                                 ["method", "route"], buckets=BUCKETS, registry=reg)  # fmt: skip
+        self.resume_seconds = Histogram("agentstate_resume_duration_seconds", "Time a successful resume took to "
+                                        "restore a session's KV from the tiers.", buckets=BUCKETS, registry=reg)  # fmt: skip
+        self.snapshot_seconds = Histogram("agentstate_snapshot_duration_seconds", "Time a successful snapshot took to "
+                                          "store a session durably (chunks, tail, manifest).", buckets=BUCKETS,
+                                          registry=reg)  # fmt: skip
+        if multiproc:
+            MultiProcessCollector(self.registry)
+        self._store = StoreCollector()
+        self.registry.register(self._store)
 
     def observe(self, method: str, route: str, status: int, seconds: float, received: int) -> None:
-        self.requests[(method, route, str(status))] += 1
-        self.body_bytes[route] += received
-        key = (method, route)
-        buckets = self._buckets[key]
-        for i, bound in enumerate(BUCKETS):
-            if seconds <= bound:
-                buckets[i] += 1
-        self._sum[key] += seconds
-        self._count[key] += 1
-
-    def render(self, stats: StoreStats) -> str:
-        families = [*self._http(), *self._store(stats)]
-        return "\n".join(line for f in families for line in f.lines()) + "\n"
-
-    def _http(self) -> Iterable[_Family]:
-        total = _Family("agentstate_http_requests_total", "counter", "HTTP requests answered.")
-        for (method, route, status), n in sorted(self.requests.items()):
-            total.add(n, method=method, route=route, status=status)
-        received = _Family("agentstate_http_request_body_bytes_total", "counter", "Request body bytes received.")
-        for route, n in sorted(self.body_bytes.items()):
-            received.add(n, route=route)
-        latency = _Family("agentstate_http_request_duration_seconds", "histogram", "Time to answer a request.")
-        for (method, route), buckets in sorted(self._buckets.items()):
-            for bound, n in zip(BUCKETS, buckets):
-                latency.add(n, "_bucket", method=method, route=route, le=_number(bound))
-            latency.add(self._count[(method, route)], "_bucket", method=method, route=route, le="+Inf")
-            latency.add(self._sum[(method, route)], "_sum", method=method, route=route)
-            latency.add(self._count[(method, route)], "_count", method=method, route=route)
-        return [total, received, latency]
+        self.requests.labels(method, route, str(status)).inc()
+        if received:
+            self.body_bytes.labels(route).inc(received)
+        else:
+            self.body_bytes.labels(route)  # the series exists from the first request
+        self.latency.labels(method, route).observe(seconds)
 
     @staticmethod
-    def _store(stats: StoreStats) -> Iterable[_Family]:
-        sessions = _Family("agentstate_sessions", "gauge", "Sessions in the catalog, all tenants.")
-        sessions.add(stats.sessions)
-        keys = _Family("agentstate_indexed_keys", "gauge", "Chunk and tail keys in the in-memory index.")
-        keys.add(stats.indexed_keys)
-        out = [sessions, keys]
-        for field in _TIER_FIELDS:
-            fam = _Family(f"agentstate_tier_{field}", "gauge", f"Tier {field.replace('_', ' ')}.")
-            for tier in stats.tiers:
-                value = getattr(tier, field)
-                if value is not None:
-                    fam.add(value, tier=tier.name)
-            out.append(fam)
-        ops = _Family("agentstate_tier_operations_total", "counter", "Tier operations by kind.")
-        for tier in stats.tiers:
-            for op in _TIER_OPS:
-                ops.add(getattr(tier, op), tier=tier.name, op=op)
-        events = _Family(
-            "agentstate_store_events_total", "counter", "Store counters (reads, misses, corrupt chunks, ...)."
-        )
-        for name, value in sorted(stats.counters.items()):
-            events.add(value, event=_NAME_BAD.sub("_", name))
-        return [*out, ops, events]
+    def timer() -> Callable[[], float]:
+        """Seconds since this call (for observing only what succeeded)."""
+        start = time.perf_counter()
+        return lambda: time.perf_counter() - start
+
+    async def render(self, store: StateStore, inflight_bytes: int = 0) -> bytes:
+        figures = await gather(store, inflight_bytes)
+        self._store.figures = figures  # no await from here on: a concurrent scrape cannot interleave
+        return generate_latest(self.registry)
+
+
+class StoreCollector(Collector):
+    """The store's figures as metric families, from the last `gather` (per process; see module doc)."""
+
+    def __init__(self) -> None:
+        self.figures: StoreFigures | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        build = GaugeMetricFamily("agentstate_build_info", "agentstate's version (value 1).",
+                                  labels=["version", "python"])  # fmt: skip
+        build.add_metric([__version__, platform.python_version()], 1)
+        yield build
+        f = self.figures
+        if f is None:
+            return
+        if f.sessions is not None:
+            yield GaugeMetricFamily("agentstate_sessions", "Sessions in the local catalog, all tenants (not exported "
+                                    "with a shared catalog: counting it would scan Redis).", value=f.sessions)  # fmt: skip
+        yield GaugeMetricFamily("agentstate_indexed_keys", "Chunk and tail keys in the in-memory index.",
+                                value=f.indexed_keys)  # fmt: skip
+        yield GaugeMetricFamily("agentstate_inflight_bytes", "KV bytes requests in flight hold of the service's "
+                                "budget (max_inflight_bytes).", value=f.inflight_bytes)  # fmt: skip
+        yield from self._tiers(f)
+        yield from self._counters(f)
+        yield from self._breakers(f)
+
+    @staticmethod
+    def _tiers(f: StoreFigures) -> Iterator[Metric]:
+        tier = ["tier"]
+        info = GaugeMetricFamily("agentstate_tier_info", "A configured tier (value 1).",
+                                 labels=["tier", "kind", "durable", "remote", "record"])  # fmt: skip
+        chunks = GaugeMetricFamily("agentstate_tier_chunks", "Chunks this process knows a tier holds (a remote tier: "
+                                   "those it wrote or found there, not the store's total).", labels=tier)  # fmt: skip
+        used = GaugeMetricFamily("agentstate_tier_bytes_used", "Bytes a local tier stores: value bytes of a capacity-"
+                                 "managed tier (host, device, file), pages in use of LMDB. Remote tiers: see "
+                                 "agentstate_tier_written_bytes_total and agentstate_remote_memory_*.", labels=tier)  # fmt: skip
+        capacity = GaugeMetricFamily("agentstate_tier_capacity_bytes", "Configured capacity: capacity_bytes of a "
+                                     "host, device or file tier; lmdb_max_map_size of LMDB when set.", labels=tier)  # fmt: skip
+        for t in f.tiers:
+            info.add_metric([t.name, t.kind, str(t.durable).lower(), str(t.remote).lower(), str(t.record).lower()], 1)
+            chunks.add_metric([t.name], t.chunks)
+            if t.name in f.local:
+                used.add_metric([t.name], t.used_bytes if t.capacity_bytes is not None else f.local[t.name].bytes_used)
+            if t.capacity_bytes is not None:
+                capacity.add_metric([t.name], t.capacity_bytes)
+            elif t.name in f.lmdb_limit:
+                capacity.add_metric([t.name], f.lmdb_limit[t.name])
+        yield from (info, chunks, used, capacity)
+        yield _gauges("agentstate_lmdb_map_size_bytes", "LMDB's current map size where no lmdb_max_map_size is set: "
+                      "address space, not a capacity (the map doubles when full; the disk is the limit).", f.lmdb_map)  # fmt: skip
+        yield _gauges("agentstate_tier_disk_free_bytes", "Free bytes of the filesystem under a local durable tier.",
+                      f.disk_free)  # fmt: skip
+        node = ["tier", "node"]
+        mem_used = GaugeMetricFamily("agentstate_remote_memory_used_bytes", "used_memory of a remote tier's Redis "
+                                     "server (INFO memory): the whole server's, whoever stored it.", labels=node)  # fmt: skip
+        mem_max = GaugeMetricFamily("agentstate_remote_memory_max_bytes", "maxmemory of a remote tier's Redis server "
+                                    "(0: no limit).", labels=node)  # fmt: skip
+        for name, nodes in f.server_memory.items():
+            for n, (u, m) in sorted(nodes.items()):
+                mem_used.add_metric([name, n], u)
+                mem_max.add_metric([name, n], m)
+        yield from (mem_used, mem_max)
+
+    @staticmethod
+    def _counters(f: StoreFigures) -> Iterator[Metric]:
+        for what, (name, help_text) in _TIER_COUNTERS.items():
+            family = CounterMetricFamily(name, help_text, labels=["tier"])
+            for t in f.tiers:
+                family.add_metric([t.name], f.tier_counts.get(t.name, {}).get(what, 0))
+            yield family
+        errors = CounterMetricFamily("agentstate_tier_errors", "Failed backend calls of a tier (outages, timeouts, "
+                                     "open breaker).", labels=["tier"])  # fmt: skip
+        for t in f.tiers:
+            if t.name in f.local:
+                errors.add_metric([t.name], f.local[t.name].errors)
+            elif t.name in f.remote_errors:
+                errors.add_metric([t.name], f.remote_errors[t.name])
+        yield errors
+        for key, (name, help_text) in _STORE_COUNTERS.items():
+            yield CounterMetricFamily(name, help_text, value=f.counters.get(key, 0))
+
+    @staticmethod
+    def _breakers(f: StoreFigures) -> Iterator[Metric]:
+        node = ["tier", "node"]
+        state = GaugeMetricFamily("agentstate_breaker_state", "Circuit breaker of a remote tier's node: 1 for its "
+                                  "current state (closed, open, half_open).", labels=[*node, "state"])  # fmt: skip
+        trips = CounterMetricFamily("agentstate_breaker_trips", "Times a remote node's circuit breaker opened.",
+                                    labels=node)  # fmt: skip
+        for b in f.breakers:
+            for s in BREAKER_STATES:
+                state.add_metric([b.tier, b.node, s], int(b.state == s))
+            trips.add_metric([b.tier, b.node], b.trips)
+        yield from (state, trips)
+
+
+def _gauges(name: str, help_text: str, by_tier: dict[str, int]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, help_text, labels=["tier"])
+    for tier, value in sorted(by_tier.items()):
+        family.add_metric([tier], value)
+    return family

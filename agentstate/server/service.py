@@ -95,7 +95,7 @@ def create_app(store: StateStore, tokens: dict[str, str], limits: Limits | None 
     budget = Budget(limits.max_inflight_bytes)
     app.add_middleware(Gate, tokens=tokens, limits=limits, metrics=metrics, chunk_bytes=chunk_bytes, budget=budget)
     _handlers(app)
-    _sessions(app, ctx)
+    _sessions(app, ctx, metrics)
     register(app, ctx, Handles(limits.secret()))
 
     @app.get("/healthz", tags=["ops"])
@@ -105,8 +105,9 @@ def create_app(store: StateStore, tokens: dict[str, str], limits: Limits | None 
 
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
     async def prometheus() -> Response:
-        """Prometheus text exposition: requests, latencies, the store's tiers and counters."""
-        return Response(metrics.render(await store.stats()), media_type=CONTENT_TYPE)
+        """Prometheus text exposition: requests, latencies, the store's tiers, counters and breakers (no
+        store is listed to answer it)."""
+        return Response(await metrics.render(store, budget.used), media_type=CONTENT_TYPE)
 
     return app
 
@@ -135,7 +136,7 @@ def _handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
-def _sessions(app: FastAPI, ctx: ServiceContext) -> None:
+def _sessions(app: FastAPI, ctx: ServiceContext, metrics: Metrics) -> None:
     Store = Annotated[StateStore, Depends(ctx.tenant_store)]
     max_header = ctx.limits.max_json_bytes
 
@@ -193,10 +194,12 @@ def _sessions(app: FastAPI, ctx: ServiceContext) -> None:
         head, payload = split_frame(await read_body(request), max_header)
         header = SnapshotHeader.model_validate_json(head)
         kv = await off_loop(kv_from, header, payload, store.spec)
+        elapsed = metrics.timer()
         manifest = await store.snapshot(
             session_id, header.tokens, kv, header.state, ttl_seconds=header.ttl_seconds, pinned=header.pinned,
             expected_version=header.expected_version, force=header.force,
         )  # fmt: skip
+        metrics.snapshot_seconds.observe(elapsed())
         return SessionInfo.of(manifest)
 
     @app.post("/v1/sessions/{session_id}/resume", tags=["sessions"], responses={200: {"content": {FRAME_TYPE: {}}}})
@@ -205,7 +208,9 @@ def _sessions(app: FastAPI, ctx: ServiceContext) -> None:
         503 `overloaded` (Retry-After) when the service has no room for its KV now."""
         size = (await store.session(session_id)).num_tokens * store.spec.token_bytes
         admit(request, size, f"session {session_id}")
+        elapsed = metrics.timer()
         result = await store.resume(session_id)
+        metrics.resume_seconds.observe(elapsed())
         assert result.kv is not None  # no `into`: the store allocates the tensor
         header = ResumeHeader(
             fingerprint=store.fingerprint, dtype=store.spec.dtype, shape=list(result.kv.shape),
