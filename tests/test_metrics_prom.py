@@ -30,7 +30,7 @@ from agentstate.config import TierConfig
 from agentstate.server.gate import Limits
 from agentstate.server.service import create_app
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisCluster, RedisServer, free_port
 
 TOKEN = "metrics-test-token-0123456789"
 LIMITS = Limits(handle_secret="metrics-test-handle-secret-0123")
@@ -391,3 +391,29 @@ def test_multiprocess_dir_is_honoured(tmp_path: Path) -> None:
     assert value(fam, "agentstate_http_requests", "_total", method="GET", route="/healthz", status="200") == 1
     assert fam["agentstate_resume_duration_seconds"].type == "histogram"
     assert value(fam, "agentstate_tier_chunks", tier="lmdb") == 0 and value(fam, "agentstate_sessions") == 0
+
+
+async def test_a_redis_cluster_tier_is_reported_per_node_without_scan(
+    app_client: Any, tmp_path: Path, redis_cluster: RedisCluster
+) -> None:
+    tier = TierConfig(
+        kind="redis", url=redis_cluster.url, cluster=True, prefix="metrics-cluster:"
+    )  # fixed: the slots are too
+    config = StoreConfig(path=tmp_path / "data", chunk_tokens=64, lmdb_map_size=64 << 20,
+                         tiers=[TierConfig(kind="host"), TierConfig(kind="lmdb"), tier])  # fmt: skip
+    _, sdk, scrape = await app_client(config)
+    await sdk.snapshot("c1", random_tokens(700, seed=6), random_kv(SPEC4, 700, seed=6))  # chunks on every node
+    admins = [redis.Redis(port=n.port) for n in redis_cluster.nodes]
+
+    def scans() -> list[int]:
+        return [int(a.info("commandstats").get("cmdstat_scan", {}).get("calls", 0)) for a in admins]
+
+    before = scans()
+    fam = await scrape()
+    assert scans() == before
+    nodes = {f"127.0.0.1:{n.port}" for n in redis_cluster.nodes}
+    assert {s.labels["node"] for s in fam["agentstate_remote_memory_used_bytes"].samples} == nodes
+    breakers = {s.labels["node"] for s in fam["agentstate_breaker_trips"].samples}
+    assert breakers == nodes | {"cluster"}  # every node written to, and the cluster-wide one (key listing)
+    for a in admins:
+        a.close()
