@@ -50,7 +50,7 @@ class AdapterSettings(BaseModel):
 
     path: Path = Field(default=Path("agentstate-hicache"), description="data root; one directory per rank below it")
     model_id: str | None = Field(default=None, description="overrides SGLang's model name in the fingerprint")
-    revision: str = "main"
+    revision: str = Field(default="main", description="model revision in the fingerprint")
     timeout_s: float = Field(default=60.0, gt=0, description="longest one SGLang call waits for the store")
     config_file: Path | None = Field(
         default=None, description="config file (TOML, YAML, JSON) under env vars and inline keys; default: env"

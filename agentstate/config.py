@@ -25,7 +25,7 @@ def parse_size(value: object) -> object:
     """A byte size from an int or a string like "32GiB" (units as pydantic's ByteSize: KiB..EiB are
     powers of 1024, KB..EB and K..E powers of 1000, B bytes); anything else goes on to int validation."""
     if isinstance(value, bool):
-        raise ValueError("a byte size is a number of bytes or a string like '32GiB', not a boolean")  # noqa: TRY004 (pydantic reports ValueError)
+        raise ValueError("a byte size is a number or a string like '32GiB', not a boolean")  # noqa: TRY004
     if not isinstance(value, str):
         return value
     found = _SIZE.fullmatch(value)

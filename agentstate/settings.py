@@ -174,9 +174,8 @@ def layered(
 
 def store_config(file: ConfigFile | None = None, **flags: Any) -> StoreConfig:
     """The StoreConfig of `file` (may be None) under the env, under `flags` (e.g. path, tenant)."""
-    config = layered(
-        StoreConfig, file.store if file else {}, flags, file_name=str(file.source) if file else "", env_prefix="AGENTSTATE_"
-    )  # fmt: skip
+    name = str(file.source) if file else ""
+    config = layered(StoreConfig, file.store if file else {}, flags, file_name=name, env_prefix="AGENTSTATE_")
     for key, value in _strings(config.model_dump(mode="json")):
         if f":{REDACTED}@" in value:
             raise InvalidArgumentError(
