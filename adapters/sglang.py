@@ -45,6 +45,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, BackendError, InvalidArgumentError
+from agentstate.keys import PAGE_PREFIX
 from agentstate.ops.admin import record_spec
 from agentstate.settings import record_config, store_config
 from agentstate.spec import ModelSpec
@@ -52,7 +53,6 @@ from agentstate.store import StateStore
 from agentstate.chunks import ChunkStore
 
 log = logging.getLogger("agentstate.adapters.sglang")
-PAGE_PREFIX = "p/"
 IO_STATS = ("prefetch_pgs", "prefetch_bandwidth", "backup_pgs", "backup_bandwidth")
 IO_STATS_KEPT = 4096
 """Per-call figures kept for `get_stats` (SGLang drains them every scheduler step; a bound all the same)."""

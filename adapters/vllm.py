@@ -72,6 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from agentstate.config import StoreConfig
+from agentstate.settings import record_config
 from agentstate.errors import AgentStateError, BackendError, ConflictError, InvalidArgumentError
 from agentstate.keys import chunk_keys, namespace_for, validate_id
 from agentstate.spec import DTYPE_NAMES, ModelSpec
@@ -558,6 +559,7 @@ class AgentStateConnector(KVConnectorBase_V1):
         store = await StateStore.open(config, self.spec)
         try:
             _record_spec(Path(config.path), self.spec)
+            record_config(config, "agentstate.adapters.vllm")  # the admin commands open what the engine wrote
             self._server = LookupServer(socket_name(str(Path(self.path).resolve()), self.rank), self._answer)
             await self._server.start()
         except BaseException:

@@ -457,6 +457,8 @@ def stats(
             table.add_row(t.name, *flags, cap, str(t.chunks))
         out.print(table)
         _sharing(r.tenant_sessions, r.session_tokens, r.unique_chunks, r.tails, r.unique_bytes, r.logical_bytes)
+        if r.sglang_pages:
+            out.print(f"{r.sglang_pages} SGLang HiCache pages")
 
     _emit(r, json, render)
 
@@ -598,9 +600,9 @@ def verify(
         r = _with_store(path, spec, None, lambda s: run(s, repair=repair, progress=bars), read_only=not repair)
 
     def render() -> None:
-        table = _table("tier", "checked", "ok", "corrupt", "missing", "repaired")
+        table = _table("tier", "checked", "of which SGLang pages", "ok", "corrupt", "missing", "repaired")
         for t in r.tiers:
-            table.add_row(t.tier, *(str(v) for v in (t.checked, t.ok, t.corrupt, t.missing, t.repaired)))
+            table.add_row(t.tier, *(str(v) for v in (t.checked, t.pages, t.ok, t.corrupt, t.missing, t.repaired)))
         out.print(table)
         for b in r.corrupt:
             out.print(f"[red]corrupt[/red] {b.tier} {b.key}: {escape(b.problem)}", highlight=False)

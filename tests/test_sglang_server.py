@@ -26,8 +26,11 @@ skipping), a C++ compiler, ninja and OpenSSL headers (SGLang's page-hash extensi
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -44,7 +47,7 @@ require_module("sglang", HINT)
 for _name in ("uvloop", "openai_harmony", "tiktoken"):  # what only a full server imports
     require_module(_name, HINT)
 
-from tests.sglang_server import SGLangServer, build_native_hash, make_model
+from tests.sglang_server import ROOT, SGLangServer, build_native_hash, make_model
 
 EXTRA = {"lmdb_map_size": 64 << 20, "host_capacity_bytes": 64 << 20}
 CHAIN = [("layer_first", True), ("page_first_direct", False), ("page_first_direct", True), ("layer_first", False)]
@@ -280,3 +283,34 @@ def test_two_servers_share_one_redis_tier(runs: dict[str, Any]) -> None:
     details = cached(second)
     assert details["storage"] == full(16) and details["device"] == 0, details
     assert same_output(second, cold, 16)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "agentstate", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+
+
+def test_admin_commands_see_the_pages_the_servers_wrote(runs: dict[str, Any], tmp: Path) -> None:
+    """Each rank directory records its spec and config: `stats` counts the pages, `verify` checks every one
+    of them with the codec, finds one damaged on disk and `--repair` drops it; `ls` opens it (no sessions)."""
+    (rank,) = [d for d in (tmp / "data-1").iterdir() if d.name.startswith("tp0-1.")]
+    stats = cli("stats", "-p", str(rank), "--json")
+    assert stats.returncode == 0, stats.stderr
+    pages = json.loads(stats.stdout)["sglang_pages"]
+    assert pages >= len(CHAIN) * full(1)  # page size 1: a page per token of every stored prompt
+    listed = cli("ls", "-p", str(rank), "--json")
+    assert listed.returncode == 0 and json.loads(listed.stdout) == [], (listed.stdout, listed.stderr)
+    clean = cli("verify", "-p", str(rank), "--json")
+    assert clean.returncode == 0, clean.stdout[-2000:] + clean.stderr[-2000:]
+    report = json.loads(clean.stdout)
+    lmdb_check = next(t for t in report["tiers"] if t["tier"] == "lmdb")
+    assert report["clean"] and lmdb_check["pages"] == pages and lmdb_check["ok"] == lmdb_check["checked"]
+    key = damage_one_page(tmp / "data-1")
+    found = cli("verify", "-p", str(rank), "--json")
+    assert found.returncode == 1
+    bad = json.loads(found.stdout)["corrupt"]
+    assert [b["key"] for b in bad] == [key.decode()], bad
+    assert cli("verify", "-p", str(rank), "--repair", "--json").returncode == 1  # repaired, still reported
+    again = cli("verify", "-p", str(rank), "--json")
+    assert again.returncode == 0, again.stdout[-2000:]
+    assert next(t for t in json.loads(again.stdout)["tiers"] if t["tier"] == "lmdb")["pages"] == pages - 1

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from agentstate import codec
 from agentstate.config import StoreConfig
 from agentstate.errors import InvalidArgumentError, NotFoundError, SpecMismatchError
-from agentstate.keys import validate_id
+from agentstate.keys import PAGE_PREFIX, validate_id
 from agentstate.manifest import SessionManifest
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore, StoreStats
@@ -255,6 +255,8 @@ class StatsReport(BaseModel):
     """what the tenant's sessions would take stored one by one"""
     unique_bytes: int
     """what they take with shared chunks stored once"""
+    sglang_pages: int = 0
+    """SGLang HiCache pages of this spec in the record tier (an SGLang rank directory holds these, not sessions)"""
 
 
 async def stats(store: StateStore) -> StatsReport:
@@ -268,6 +270,7 @@ async def stats(store: StateStore) -> StatsReport:
         tiers=[_tier_info(t) for t in store.chunks.tier_info()], tenant_sessions=len(found),
         session_tokens=sum(m.num_tokens for m in found), unique_chunks=len(chunks), tails=len(tails),
         logical_bytes=sum(_row(store, m).bytes for m in found), unique_bytes=unique,
+        sglang_pages=len(await store.chunks.scan(store.chunks.record_tier, f"{PAGE_PREFIX}{store.fingerprint}/")),
     )  # fmt: skip
 
 
