@@ -115,8 +115,9 @@ class _JsonLines(logging.Formatter):
 
 
 def configure_logging(level: str = "info", as_json: bool = False) -> None:
-    """Send the `agentstate` loggers' lines at `level` and above to stderr (plain or JSON lines).
-    Other libraries' loggers are left alone (uvicorn configures its own)."""
+    """Send the `agentstate` loggers' lines at `level` and above to stderr (plain or JSON lines),
+    and uvicorn's (the service's startup and access lines) the same way, so `--log-json` gives one
+    format; the service then leaves uvicorn's loggers as configured here (`uvicorn_config`)."""
     handler = logging.StreamHandler(sys.stderr)
     plain = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler.setFormatter(_JsonLines() if as_json else plain)
@@ -124,6 +125,10 @@ def configure_logging(level: str = "info", as_json: bool = False) -> None:
     logger.handlers[:] = [handler]
     logger.setLevel(level.upper())
     logger.propagate = False
+    server = logging.getLogger("uvicorn")  # uvicorn.error and uvicorn.access propagate to it
+    server.handlers[:] = [handler]
+    server.setLevel(level.upper())
+    server.propagate = False
 
 
 @app.callback()

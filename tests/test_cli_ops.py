@@ -241,6 +241,8 @@ async def test_url_mode_prints_the_local_reports(data: Path, tmp_path: Path) -> 
     assert said and said[0]["level"] == "INFO" and url.removeprefix("http://") in said[0]["message"]
     assert {"time", "level", "logger", "message"} <= set(said[0])
     assert not any("secret made for this process" in r["message"] for r in logs)  # it was given one
+    assert any(r["logger"].startswith("uvicorn") for r in logs)  # uvicorn's own lines in the same format
+    assert all(line.startswith("{") for line in stderr.splitlines() if line.strip()), stderr[-2000:]
     expect = {k: v for k, v in WRITTEN.items() if k not in {("default", "agent-0"), ("default", "agent-2")}}
     await check_sessions(data, expect | {("default", "agent-0b"): WRITTEN[("default", "agent-0")]})
 

@@ -264,9 +264,13 @@ async def serve(
 
 
 def uvicorn_config(app: Any, limits: Limits, **kw: Any) -> Any:
-    """uvicorn settings that bound what a client can hold: keep-alive, connections, head deadline."""
+    """uvicorn settings that bound what a client can hold: keep-alive, connections, head deadline.
+    uvicorn's own logging setup is skipped when its loggers are configured already (the CLI's
+    `--log-level`/`--log-json` do), so its lines keep that format."""
     import uvicorn
 
+    if logging.getLogger("uvicorn").handlers:
+        kw.setdefault("log_config", None)
     return uvicorn.Config(
         app, lifespan="off", log_level="info", http=guarded_h11(limits.header_timeout_s),
         timeout_keep_alive=limits.keep_alive_s, limit_concurrency=limits.max_connections, **kw,
