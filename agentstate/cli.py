@@ -303,7 +303,7 @@ def _emit(report: BaseModel | list[Any] | RemoveReport, as_json: bool, render: C
     elif dataclasses.is_dataclass(report):
         sys.stdout.write(jsonlib.dumps(dataclasses.asdict(report), indent=2) + "\n")
     else:
-        from agentstate.ops.admin import dumps
+        from agentstate.ops.reports import dumps
 
         sys.stdout.write(dumps(report) + "\n")
 
@@ -357,7 +357,7 @@ def ls(
     if server:
         from pydantic import RootModel
 
-        from agentstate.ops.admin import SessionRow
+        from agentstate.ops.reports import SessionRow
 
         rows = _ask(server, lambda c: c.get_json("/v1/admin/sessions", RootModel[list[SessionRow]])).root
     else:
@@ -394,7 +394,7 @@ def inspect(
     server = _remote(ctx, url, token, path, spec, tenant)
     if server:
         from agentstate.keys import validate_id
-        from agentstate.ops.admin import SessionDetail
+        from agentstate.ops.reports import SessionDetail
 
         with _reported():
             route = f"/v1/admin/sessions/{validate_id(session)}"  # checked ids are URL-safe
@@ -762,4 +762,11 @@ def version() -> None:
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as exc:  # an import outside `_reported`: the same one-line hint
+        hint = MissingDependencyError.of(exc, _command)
+        if hint is None:
+            raise
+        err.print(f"[red]error[/red] ({type(hint).__name__}): {escape(str(hint))}", highlight=False)
+        raise SystemExit(1) from None

@@ -100,6 +100,9 @@ class MissingDependencyError(AgentStateError, ImportError):
 
 
 OPTIONAL_MODULES = {
+    "torch": "store",
+    "lmdb": "store",
+    "numpy": "store",
     "fastapi": "service",
     "starlette": "service",
     "uvicorn": "service",

@@ -107,6 +107,9 @@ def test_missing_extras_are_one_line_naming_the_extra(data: Path, tmp_path: Path
         (("demo", "--data-dir", tmp_path / "demo"), "transformers", {}, "agentstate[demo]"),
         (("ls", "--url", "http://127.0.0.1:1", "--token", TOKEN), "httpx", {}, "agentstate[client]"),
         (("ls", "-p", data), "redis", {"AGENTSTATE_TIERS": redis_tiers}, "agentstate[remote]"),
+        (("ls", "-p", data), "torch", {}, "agentstate[store]"),  # a client-only install has no store
+        (("inspect", "agent-1", "-p", data), "lmdb", {}, "agentstate[store]"),
+        (("verify", "-p", data), "torch,numpy,lmdb", {}, "agentstate[store]"),
     ]
     for args, blocked, env, extra in cases:
         code, _, stderr, _ = drive(*args, blocked=blocked, env=env)
@@ -201,6 +204,12 @@ async def test_url_mode_prints_the_local_reports(data: Path, tmp_path: Path) -> 
             assert st[field] == local["stats"][field], field
         table = cli("stats", *remote)
         assert table.returncode == 0 and "3 sessions" in table.stdout and "shared" in table.stdout
+        # a client-only install (no torch, numpy or LMDB) runs the same remote commands
+        for args, want in ((("ls", "--json"), local["ls"]), (("inspect", "agent-1", "--json"), local["inspect"])):
+            code, stdout, stderr, imported = drive(*args, *remote, blocked="torch,numpy,lmdb")
+            assert code == 0 and json.loads(stdout) == want and "torch" not in imported, stderr
+        code, stdout, stderr, _ = drive("stats", "--json", *remote, blocked="torch,numpy,lmdb")
+        assert code == 0 and json.loads(stdout)["sessions"] == local["stats"]["tenant_sessions"], stderr
 
         # the same commands through env vars; the server holds the directory, so local writes are refused
         env = {"AGENTSTATE_URL": url, "AGENTSTATE_TOKEN": TOKEN}

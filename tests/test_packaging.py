@@ -62,6 +62,33 @@ def test_wheel_ships_types_license_and_one_version(wheel: Path) -> None:
     assert [r.split(";")[0].strip() for r in client] == ["httpx>=0.27"]
 
 
+HEAVY = ("torch", "numpy", "lmdb", "transformers", "fastapi", "uvicorn", "redis")
+"""What `pip install 'agentstate[client]'` must not bring: the SDK is httpx, pydantic and xxhash."""
+
+
+def _requires(wheel: Path) -> dict[str | None, list[str]]:
+    """The wheel's Requires-Dist by extra (None: the core), names only."""
+    archive = zipfile.ZipFile(wheel)
+    meta_name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+    meta = Parser().parsestr(archive.read(meta_name).decode())
+    out: dict[str | None, list[str]] = {}
+    for req in meta.get_all("Requires-Dist", []):
+        spec, _, marker = req.partition(";")
+        extra = re.search(r"extra\s*==\s*[\"']([\w-]+)[\"']", marker)
+        out.setdefault(extra.group(1) if extra else None, []).append(re.split(r"[\s\[<>=!~;]", spec.strip())[0].lower())
+    return out
+
+
+def test_the_client_extra_installs_no_torch_and_every_engine_side_extra_brings_the_store(wheel: Path) -> None:
+    requires = _requires(wheel)
+    for name in HEAVY:
+        assert name not in requires[None] + requires["client"], f"agentstate[client] would install {name}"
+    assert sorted(requires["store"]) == ["lmdb", "numpy", "torch"]
+    for extra, names in requires.items():
+        if extra not in (None, "client", "yaml", "store"):
+            assert "agentstate" in names, f"agentstate[{extra}] does not bring agentstate[store]"
+
+
 def test_the_version_is_written_once() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'^dynamic = \["version"\]$', pyproject, re.MULTILINE)
@@ -106,5 +133,5 @@ def test_package_and_cli_import_without_torch() -> None:
 
 
 def test_sdk_imports_without_torch() -> None:
-    done = _import_without_torch("agentstate.client", "agentstate.wire")
+    done = _import_without_torch("agentstate.client", "agentstate.wire", "agentstate.ops", "agentstate.ops.reports")
     assert done.returncode == 0, done.stderr

@@ -24,10 +24,10 @@ import torch
 import uvicorn
 
 from agentstate import StateStore
+from agentstate.errors import InvalidArgumentError, NotFoundError
 from agentstate.ops.admin import SPEC_FILE
-from agentstate.errors import InvalidArgumentError
 from agentstate.server.gate import Limits, tenant_table
-from agentstate.server.service import DEMO_SPEC, create_app, load_tokens, resolve_spec
+from agentstate.server.service import create_app, load_tokens, resolve_spec
 from agentstate.wire import FRAME_TYPE, checksum, kv_payload
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 
@@ -395,7 +395,9 @@ def test_tokens_and_spec_for_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         with pytest.raises(InvalidArgumentError):
             tenant_table(tokens)
     data = tmp_path / "data"
-    assert resolve_spec(data, None) == DEMO_SPEC and not (data / SPEC_FILE).exists()
+    with pytest.raises(NotFoundError):  # never a guessed spec
+        resolve_spec(data, None)
+    assert not (data / SPEC_FILE).exists()
     assert resolve_spec(data, SPEC4) == SPEC4 and (data / SPEC_FILE).exists()  # recorded
     assert resolve_spec(data, None) == SPEC4  # and used when none is given
 

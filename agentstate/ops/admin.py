@@ -10,22 +10,22 @@ opening a directory under the wrong spec would show it as empty.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 from pydantic import BaseModel, ValidationError
 
 from agentstate import codec
+from agentstate.chunks import EvictResult
+from agentstate.chunks import TierInfo as ChunkTierInfo
 from agentstate.config import StoreConfig
 from agentstate.errors import InvalidArgumentError, NotFoundError, SpecMismatchError
 from agentstate.keys import PAGE_PREFIX, validate_id
 from agentstate.manifest import SessionManifest
+from agentstate.ops.reports import ChunkInfo, GcReport, SessionDetail, SessionRow, dumps  # noqa: F401  (re-exported)
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore, StoreStats
-from agentstate.chunks import EvictResult
-from agentstate.chunks import TierInfo as ChunkTierInfo
 
 SPEC_FILE = "spec.json"
 """Where a data directory records its ModelSpec (the file `agentstate serve` writes)."""
@@ -132,55 +132,6 @@ def _short(exc: Exception) -> str:
 # -- ls / inspect ------------------------------------------------------------------------------------
 
 
-class SessionRow(BaseModel):
-    """One line of `ls`. `bytes` is the stored size of what the session names (shared chunks count
-    in every session that names them; `stats` has the deduplicated total)."""
-
-    session_id: str
-    tenant: str
-    version: int
-    tokens: int
-    chunks: int
-    tail_tokens: int
-    bytes: int
-    parent: str | None
-    pinned: bool
-    ttl_seconds: float | None
-    created_at: float
-    updated_at: float
-
-
-class ChunkInfo(BaseModel):
-    index: int
-    kind: Literal["chunk", "tail"]
-    key: str
-    first_token: int
-    tokens: int
-    bytes: int
-    tiers: list[str]
-    """tiers holding a copy, fastest first; empty: the chunk is missing (a resume stops before it)"""
-
-
-class SessionDetail(BaseModel):
-    session_id: str
-    tenant: str
-    fingerprint: str
-    version: int
-    parent: str | None
-    chunk_tokens: int
-    num_tokens: int
-    tail_tokens: int
-    tail_key: str | None
-    created_at: float
-    updated_at: float
-    ttl_seconds: float | None
-    pinned: bool
-    state: dict[str, object]
-    bytes: int
-    missing: int
-    chunks: list[ChunkInfo]
-
-
 def stored_size(spec: ModelSpec, tokens: int) -> int:
     return codec.encoded_size(tokens * spec.token_bytes)
 
@@ -281,11 +232,6 @@ def _tier_info(tier: ChunkTierInfo) -> TierInfo:
     )  # fmt: skip
 
 
-class GcReport(BaseModel):
-    removed: int
-    """expired sessions, plus chunks and tails no manifest or prefix references"""
-
-
 async def gc(store: StateStore) -> GcReport:
     return GcReport(removed=await store.gc())
 
@@ -310,10 +256,3 @@ async def evict(
         raise InvalidArgumentError(f"byte budget must be >= 0, got {budget_bytes}")
     wanted = [k for sid in sessions for k in session_keys(await store.session(sid))]
     return await store.chunks.evict(tier_name, budget_bytes=budget_bytes, keys=wanted if sessions else None)
-
-
-def dumps(model: BaseModel | Sequence[BaseModel]) -> str:
-    """JSON of a report (a list of rows included) for `--json`."""
-    if isinstance(model, BaseModel):
-        return model.model_dump_json(indent=2)
-    return json.dumps([m.model_dump(mode="json") for m in model], indent=2)

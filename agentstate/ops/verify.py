@@ -10,10 +10,10 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from agentstate import codec
-from agentstate.ops.admin import QUIET, Progress, session_keys, stored_size
-from agentstate.errors import AgentStateError, CorruptDataError
 from agentstate.chunks import batches
+from agentstate.errors import AgentStateError, CorruptDataError
 from agentstate.keys import CHUNK_PREFIX, PAGE_PREFIX, TAIL_PREFIX
+from agentstate.ops.admin import QUIET, Progress, session_keys, stored_size
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
 

@@ -37,10 +37,10 @@ from starlette.exceptions import HTTPException
 from agentstate import codec
 from agentstate._version import __version__
 from agentstate.config import StoreConfig
-from agentstate.errors import AgentStateError, InvalidArgumentError
+from agentstate.errors import AgentStateError, InvalidArgumentError, NotFoundError
 from agentstate.manifest import SessionManifest
 from agentstate.ops import admin
-from agentstate.ops.admin import record_spec, recorded_spec
+from agentstate.ops.admin import SPEC_FILE, record_spec, recorded_spec
 from agentstate.server.dataplane import Handles, register
 from agentstate.server.gate import (
     Budget,
@@ -75,8 +75,6 @@ __all__ = ["Limits", "create_app", "run", "serve"]
 log = logging.getLogger("agentstate.server.service")
 DEFAULT_PORT = 8470
 """No engine listens here by default (vLLM 8000, SGLang 30000, TGI 8080/3000, Ollama 11434, llama.cpp 8080)."""
-DEMO_SPEC = ModelSpec(model_id="agentstate/demo-llama-8b-shape", num_layers=32, num_kv_heads=8, head_dim=128)
-"""What `run` serves when given no spec and none is recorded: a Llama-3-8B KV shape, for trying it out."""
 _FRAME_BODY = {
     "requestBody": {"required": True, "content": {FRAME_TYPE: {"schema": {"type": "string", "format": "binary"}}}}
 }
@@ -306,7 +304,7 @@ def run(
     - tokens: `tokens_file`, a JSON object {"<bearer token>": "<tenant>"}; else the same JSON
       object in env `AGENTSTATE_TOKENS`; neither is an error (the service never runs open).
     - spec: the one given, recorded as `<path>/spec.json` if none is recorded yet; else the one
-      recorded there; else `DEMO_SPEC` (a Llama-3-8B KV shape, bf16), with a warning. Clients
+      recorded there; neither refuses to start (NotFoundError), as `agentstate serve` does. Clients
       see the served spec on `GET /v1/spec`; KV of any other spec is refused with 409.
     - store: `StoreConfig(path=path)`, so `AGENTSTATE_*` env vars configure tiers and the rest;
       limits and the chunk-handle secret: `limits`, else `AGENTSTATE_SERVICE_*` (see `Limits`).
@@ -344,7 +342,8 @@ def load_tokens(tokens_file: Path | None) -> dict[str, str]:
 
 
 def resolve_spec(path: Path, spec: ModelSpec | None) -> ModelSpec:
-    """The spec given (recorded in `path` if none is yet), else the recorded one, else DEMO_SPEC."""
+    """The spec given (recorded in `path` if none is yet), else the recorded one; neither is a
+    NotFoundError, never a guess."""
     if spec is not None:
         if recorded_spec(path) is None:
             record_spec(path, spec)
@@ -352,5 +351,7 @@ def resolve_spec(path: Path, spec: ModelSpec | None) -> ModelSpec:
     recorded = recorded_spec(path)
     if recorded is not None:
         return recorded
-    log.warning("no spec given and none recorded in %s: serving the demo spec %s", path, DEMO_SPEC.model_id)
-    return DEMO_SPEC
+    raise NotFoundError(
+        f"no ModelSpec recorded in {path / SPEC_FILE} and none given: pass one the first time (it is recorded and"
+        " used from then on); a guessed spec would serve the directory's sessions as missing"
+    )

@@ -1,0 +1,74 @@
+"""The reports of `ls`, `inspect` and `gc`, apart from the operations that build them: the service
+sends these models and the CLI's remote mode (`--url`) parses them, so this module imports
+neither torch nor the store (a client-only install, `agentstate[client]`, reads them)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import BaseModel
+
+__all__ = ["ChunkInfo", "GcReport", "SessionDetail", "SessionRow", "dumps"]
+
+
+class SessionRow(BaseModel):
+    """One line of `ls`. `bytes` is the stored size of what the session names (shared chunks count
+    in every session that names them; `stats` has the deduplicated total)."""
+
+    session_id: str
+    tenant: str
+    version: int
+    tokens: int
+    chunks: int
+    tail_tokens: int
+    bytes: int
+    parent: str | None
+    pinned: bool
+    ttl_seconds: float | None
+    created_at: float
+    updated_at: float
+
+
+class ChunkInfo(BaseModel):
+    index: int
+    kind: Literal["chunk", "tail"]
+    key: str
+    first_token: int
+    tokens: int
+    bytes: int
+    tiers: list[str]
+    """tiers holding a copy, fastest first; empty: the chunk is missing (a resume stops before it)"""
+
+
+class SessionDetail(BaseModel):
+    session_id: str
+    tenant: str
+    fingerprint: str
+    version: int
+    parent: str | None
+    chunk_tokens: int
+    num_tokens: int
+    tail_tokens: int
+    tail_key: str | None
+    created_at: float
+    updated_at: float
+    ttl_seconds: float | None
+    pinned: bool
+    state: dict[str, object]
+    bytes: int
+    missing: int
+    chunks: list[ChunkInfo]
+
+
+class GcReport(BaseModel):
+    removed: int
+    """expired sessions, plus chunks and tails no manifest or prefix references"""
+
+
+def dumps(model: BaseModel | Sequence[BaseModel]) -> str:
+    """JSON of a report (a list of rows included) for `--json`."""
+    if isinstance(model, BaseModel):
+        return model.model_dump_json(indent=2)
+    return json.dumps([m.model_dump(mode="json") for m in model], indent=2)
