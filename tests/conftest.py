@@ -78,7 +78,13 @@ async def store(open_store: Callable[..., object]) -> AsyncIterator[StateStore]:
         yield s
 
 
+FIRST = ("test_sglang_server.py",)
+"""Modules that take longest (real SGLang servers: ~10 min on two cores), collected first, so that under
+pytest-xdist (.ci/run) one worker starts them while the other works through the rest."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

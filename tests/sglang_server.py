@@ -35,7 +35,7 @@ from tests.mooncake_server import die_with_parent, free_port
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = ROOT / "tests" / "sglang_launch.py"
 SHM = Path("/dev/shm")
-SHM_LEFTOVERS = ("sglang_loads_", "sem.mp-")
+SGLANG_SHM, MP_SHM = "sglang_loads_", "sem.mp-"  # what a killed server leaves in /dev/shm
 AGENTSTATE_L3 = {"backend_name": "agentstate", "module_path": "agentstate.adapters.sglang",
                  "class_name": "AgentStateStorage"}  # fmt: skip
 
@@ -262,7 +262,9 @@ class SGLangServer:
         agentstate committed is on disk already (write-through), which is what the next server checks.
         """
         proc, self.proc = self.proc, None
+        ours: set[str] = set()
         if proc is not None:
+            ours = _open_files(_group_members(proc.pid))  # what its processes hold, read before they die
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -274,16 +276,19 @@ class SGLangServer:
         if self._log is not None:
             self._log.close()
             self._log = None
-        self._cleanup()
+        self._cleanup(ours)
 
-    def _cleanup(self) -> None:
+    def _cleanup(self, ours: set[str]) -> None:
         """Its zmq socket files and temp files (its TMPDIR), and what a killed server leaves in /dev/shm
-        under random names (SGLang's `sglang_loads_*.shm`, multiprocessing's `sem.mp-*` semaphores): those
-        that appeared since start() and that no live process has open or mapped."""
+        under random names: SGLang's `sglang_loads_*.shm` that appeared since start(), and the
+        multiprocessing semaphores (`sem.mp-*`) its own processes had mapped. Either only when no live
+        process has it open or mapped: other suites (a vLLM engine beside this one in CI) make `sem.mp-*`
+        files too, and removing one of theirs breaks their shutdown."""
         if SHM.is_dir():
-            new = [SHM / n for n in set(os.listdir(SHM)) - self._shm_before if n.startswith(SHM_LEFTOVERS)]
-            held = _open_files()
-            for path in new:
+            new = set(os.listdir(SHM)) - self._shm_before
+            doomed = [SHM / n for n in new if n.startswith(SGLANG_SHM) or (n.startswith(MP_SHM) and str(SHM / n) in ours)]
+            held = _open_files() if doomed else set()
+            for path in doomed:
                 if str(path) not in held:
                     path.unlink(missing_ok=True)
         if self.tmpdir.is_dir():
@@ -297,10 +302,25 @@ class SGLangServer:
         self.stop()
 
 
-def _open_files() -> set[str]:
-    """Paths some live process has open or mapped (what /proc lets this user see)."""
-    held: set[str] = set()
+def _group_members(pgid: int) -> list[str]:
+    """The pids (as /proc names) of the live processes in process group `pgid`."""
+    members = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid):
+            members.append(pid)
+    return members
+
+
+def _open_files(pids: list[str] | None = None) -> set[str]:
+    """Paths the processes `pids` (default: every live one) have open or mapped (what /proc lets this
+    user see)."""
+    held: set[str] = set()
+    for pid in pids if pids is not None else filter(str.isdigit, os.listdir("/proc")):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
