@@ -105,7 +105,7 @@ class SGLangServer:
                  extensions_dir: str | Path, page_size: int = 16, layout: str = "layer_first",
                  interface_v1: bool = True, prefetch_threshold: int = 16, extra: dict[str, Any] | None = None,
                  storage: str | None = "agentstate", dtype: str = "float32", startup_timeout: float = 300,
-                 args: list[str] | None = None) -> None:  # fmt: skip
+                 prefetch_policy: str | None = "wait_complete", args: list[str] | None = None) -> None:  # fmt: skip
         if layout not in ("layer_first", "page_first_direct"):
             raise ValueError(f"layout {layout!r}: only layer_first and page_first_direct run on CPU")
         if storage not in ("agentstate", "file", None):
@@ -118,6 +118,7 @@ class SGLangServer:
         self.page_size, self.layout, self.interface_v1 = page_size, layout, interface_v1
         self.prefetch_threshold, self.extra, self.storage = prefetch_threshold, dict(extra or {}), storage
         self.dtype, self.startup_timeout, self.more_args = dtype, startup_timeout, list(args or [])
+        self.prefetch_policy = prefetch_policy
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.tmpdir = self.work / "tmp"
@@ -146,6 +147,8 @@ class SGLangServer:
             backend = "dynamic" if self.storage == "agentstate" else "file"
             config = json.dumps({**extra, **self.extra})
             args += ["--hicache-storage-backend", backend, "--hicache-storage-backend-extra-config", config]
+            if self.prefetch_policy is not None:  # SGLang's default, `timeout`, cuts prefetches short on a busy machine
+                args += ["--hicache-storage-prefetch-policy", self.prefetch_policy]
         return [sys.executable, str(LAUNCHER), *args, *self.more_args]
 
     def start(self) -> Self:

@@ -22,6 +22,7 @@ import torch
 
 from agentstate import ModelSpec, StateStore
 from agentstate.ops.admin import record_spec
+from tests.cli_process import run_cli
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 from tests.requires import skip_or_fail
 from tests.test_corruption import rewrite_lmdb_value
@@ -37,9 +38,7 @@ SYSTEM = random_tokens(3 * CHUNK, seed=90)  # a system prompt of three whole chu
 def cli(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run `agentstate ARGS`; the data directory's chunk size comes from the env, as in a deployment."""
     full = {**os.environ, "AGENTSTATE_CHUNK_TOKENS": str(CHUNK), "COLUMNS": "200", **(env or {})}
-    return subprocess.run(
-        [AGENTSTATE, *map(str, args)], check=False, capture_output=True, text=True, env=full, timeout=300
-    )  # type: ignore[list-item]
+    return run_cli(*args, env=full)  # the CLI in a process of its own, torch pre-imported (tests/cli_process.py)
 
 
 def ok_json(*args: str | Path) -> Any:
@@ -100,6 +99,24 @@ async def test_ls_inspect_stats_report_what_is_stored(data: Path) -> None:
 
     table = cli("ls", "-p", data)
     assert table.returncode == 0 and "agent-2" in table.stdout and "3 sessions" in table.stdout
+
+
+def test_the_installed_command_answers_as_the_test_runner_does(data: Path, tmp_path: Path) -> None:
+    """The other tests run the CLI forked from a process that imported it once (tests/cli_process.py);
+    the console script in a fresh interpreter gives the same answers, exit codes and files."""
+    env = {**os.environ, "AGENTSTATE_CHUNK_TOKENS": str(CHUNK), "COLUMNS": "200"}
+
+    def installed(*args: str | Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([AGENTSTATE, *map(str, args)], check=False, capture_output=True, text=True, env=env,
+                              timeout=300)  # type: ignore[list-item]  # fmt: skip
+
+    for args in (("ls", "-p", data, "--json"), ("inspect", "agent-1", "-p", data, "--json"),
+                 ("inspect", "nobody", "-p", data), ("ls", "-p", tmp_path / "none"), ("verify", "-p", data, "--json")):  # fmt: skip
+        a, b = installed(*args), cli(*args)
+        assert (a.returncode, a.stdout, a.stderr) == (b.returncode, b.stdout, b.stderr), args
+    for run, name in ((installed, "a.tar"), (cli, "b.tar")):
+        assert run("export", tmp_path / name, "-p", data, "--json").returncode == 0
+    assert (tmp_path / "a.tar").stat().st_size == (tmp_path / "b.tar").stat().st_size > 0
 
 
 async def test_verify_reports_flipped_bytes_and_repair_drops_them(data: Path) -> None:

@@ -31,6 +31,7 @@ from agentstate.configured import ServiceKeys, load, open_configured, service_se
 from agentstate.errors import AgentStateError, InvalidArgumentError, NotFoundError, SpecMismatchError
 from agentstate.settings import RECORDED, read_config_file, record_config, recorded_config, store_config
 from agentstate.spec import ModelSpec
+from tests.cli_process import run_cli
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 from tests.requires import skip_or_fail
 
@@ -77,10 +78,7 @@ def cli(
 ) -> subprocess.CompletedProcess[str]:
     if AGENTSTATE is None:
         skip_or_fail("the agentstate command is not on PATH (pip install -e .)")
-    return subprocess.run(
-        [AGENTSTATE, *map(str, args)], check=False, capture_output=True, text=True, env=env or clean_env(),
-        timeout=300, cwd=cwd,
-    )  # type: ignore[list-item]  # fmt: skip
+    return run_cli(*args, env=env or clean_env(), cwd=cwd)  # its own process (tests/cli_process.py)
 
 
 def ok_json(*args: str | Path, cwd: Path | None = None) -> Any:

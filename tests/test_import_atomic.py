@@ -29,6 +29,7 @@ from agentstate.errors import AgentStateError, CapacityError, CorruptDataError, 
 from agentstate.ops.admin import record_spec
 from agentstate.ops.archive import export_sessions, import_sessions, new_directory_undone
 from agentstate.sessions import MAX_STATE_DEPTH
+from tests.cli_process import run_cli
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 from tests.requires import skip_or_fail
 
@@ -274,9 +275,7 @@ def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     if AGENTSTATE is None:
         skip_or_fail("the agentstate command is not on PATH (pip install -e .)")
     env = {**os.environ, "AGENTSTATE_CHUNK_TOKENS": str(CHUNK), "AGENTSTATE_LMDB_MAP_SIZE": str(64 << 20)}
-    return subprocess.run(
-        [AGENTSTATE, *map(str, args)], capture_output=True, text=True, env=env, timeout=300, check=False
-    )  # type: ignore[list-item]
+    return run_cli(*args, env=env)  # its own process (tests/cli_process.py)
 
 
 async def test_import_onto_a_full_disk_is_a_capacity_error_and_changes_nothing(

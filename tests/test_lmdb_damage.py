@@ -31,6 +31,7 @@ from agentstate.manifest import SessionManifest
 from agentstate.ops.admin import record_spec
 from agentstate.ops.verify import verify
 from tests.conftest import SPEC4, random_kv, random_tokens
+from tests.cli_process import run_cli
 
 AGENTSTATE = shutil.which("agentstate")
 CHUNK = 64
@@ -83,9 +84,7 @@ def open_each(dirs: list[Path]) -> dict[str, list[str]]:
 def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     assert AGENTSTATE is not None
     env = {**os.environ, "AGENTSTATE_CHUNK_TOKENS": str(CHUNK), "COLUMNS": "200"}
-    return subprocess.run(
-        [AGENTSTATE, *map(str, args)], capture_output=True, text=True, env=env, timeout=300, check=False
-    )
+    return run_cli(*args, env=env)  # its own process (tests/cli_process.py)
 
 
 needs_cli = pytest.mark.skipif(AGENTSTATE is None, reason="the agentstate command is not installed")
