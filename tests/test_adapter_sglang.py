@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.requires import require_module, skip_or_fail  # noqa: I001 (guards the imports below)
+from tests.sglang_child import TORCHVISION_PLACEHOLDER
 require_module("sglang.srt.mem_cache.storage.backend_factory", "install requirements-sglang.txt as .ci/run does")
 from agentstate.adapters.sglang import AgentStateStorage
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
@@ -273,21 +274,7 @@ def test_bad_input_answers_false_never_raises(attach: Callable[..., AgentStateSt
     assert backend.batch_set_v1(["ok"], pages(0)) == [False] and backend.clear() is False
 
 
-CHILD = r"""
-import importlib.abc, importlib.machinery, json, sys, types
-try:
-    import torchvision  # noqa: F401
-except Exception:  # only a CUDA torchvision exists on PyPI: SGLang's config registry imports it for images
-    import transformers.utils.import_utils  # noqa: F401  (decides torchvision availability before the placeholder)
-    sys.modules.pop("torchvision", None)
-    class Placeholder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path, target=None):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True) if name.split(".")[0] == "torchvision" else None
-        def create_module(self, spec):
-            module = types.ModuleType(spec.name); module.__path__ = []; module.__getattr__ = lambda n: object
-            return module
-        def exec_module(self, module): pass
-    sys.meta_path.insert(0, Placeholder())
+CHILD = TORCHVISION_PLACEHOLDER + r"""
 import torch
 try:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool

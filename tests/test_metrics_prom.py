@@ -31,6 +31,7 @@ from agentstate.server.gate import Limits
 from agentstate.server.service import create_app
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 from tests.redis_server import RedisCluster, RedisServer, free_port
+from tests.sglang_child import TORCHVISION_PLACEHOLDER
 
 TOKEN = "metrics-test-token-0123456789"
 LIMITS = Limits(handle_secret="metrics-test-handle-secret-0123")
@@ -273,21 +274,7 @@ async def test_breaker_state_and_trips_of_a_dead_node(app_client: Any, tmp_path:
     assert not fam["agentstate_remote_memory_used_bytes"].samples  # an open breaker: the scrape does not wait
 
 
-CHILD = r"""
-import importlib.abc, importlib.machinery, json, sys, types
-try:
-    import torchvision  # noqa: F401
-except Exception:  # PyPI has only a CUDA torchvision; SGLang's metrics module imports its config registry
-    import transformers.utils.import_utils  # noqa: F401
-    sys.modules.pop("torchvision", None)
-    class Placeholder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path, target=None):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True) if name.split(".")[0] == "torchvision" else None
-        def create_module(self, spec):
-            module = types.ModuleType(spec.name); module.__path__ = []; module.__getattr__ = lambda n: object
-            return module
-        def exec_module(self, module): pass
-    sys.meta_path.insert(0, Placeholder())
+CHILD = TORCHVISION_PLACEHOLDER + r"""
 import torch
 try:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
