@@ -768,5 +768,4 @@ def main() -> None:
         hint = MissingDependencyError.of(exc, _command)
         if hint is None:
             raise
-        err.print(f"[red]error[/red] ({type(hint).__name__}): {escape(str(hint))}", highlight=False)
-        raise SystemExit(1) from None
+        raise SystemExit(_fail(hint).exit_code) from None  # the one-line error `_reported` prints
