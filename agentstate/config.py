@@ -104,7 +104,17 @@ class StoreConfig(BaseSettings):
     )
     promote_on_read: bool = Field(default=True, description="copy chunks read from LMDB into the host tier")
     lmdb_map_size: Bytes = Field(default=GiB, gt=0, description="initial LMDB map; it grows when full")
-    lmdb_max_map_size: Bytes | None = Field(default=None, gt=0, description="hard limit of the LMDB map")
+    lmdb_max_map_size: Bytes | None = Field(
+        default=None, gt=0, description="hard limit of the LMDB tier: its map and its value log's segment files together"
+    )
+    lmdb_value_log_min_bytes: Bytes | None = Field(
+        default=256 * 1024, ge=0,
+        description="LMDB values at least this large (KV chunks) go to the value log: appended to segment files,"
+        " synced once per group commit, LMDB keeping a pointer; None keeps every value in LMDB's map",
+    )  # fmt: skip
+    lmdb_segment_bytes: Bytes = Field(
+        default=GiB, ge=1 << 20, description="LMDB value log: a segment file rolls over past this size"
+    )
     io_depth: int = Field(default=8, gt=0, le=1024, description="chunk reads/writes in flight per call")
     io_threads: int = Field(default=4, gt=0, le=256, description="threads for blocking IO and copies")
     batch_bytes: Bytes = Field(default=16 * MiB, gt=0, description="target bytes per backend call")

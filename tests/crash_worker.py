@@ -34,10 +34,14 @@ LENGTHS = (300, 451, 200, 517)  # tokens of versions 4e+1 .. 4e+4 of an epoch e:
 
 
 def crash_config(data: Path) -> StoreConfig:
-    """Host cache over a file tier over LMDB (the record tier): every kind of local write a crash can cut."""
+    """Host cache over a file tier over LMDB (the record tier): every kind of local write a crash can cut.
+    Chunks (128 KiB) and tails of 32 tokens or more go to LMDB's value log, smaller tails into LMDB's
+    map; 1 MiB segments roll over every few chunks, so kills land in rollovers, removals and
+    compactions of segments too."""
     tiers = [TierConfig(kind="host", capacity_bytes=4 << 20), TierConfig(kind="file", capacity_bytes=8 << 20),
              TierConfig(kind="lmdb", path=Path("chunks"))]  # fmt: skip
-    return StoreConfig(path=data, tiers=tiers, chunk_tokens=64, lmdb_map_size=64 << 20)
+    return StoreConfig(path=data, tiers=tiers, chunk_tokens=64, lmdb_map_size=64 << 20,
+                       lmdb_value_log_min_bytes=64 << 10, lmdb_segment_bytes=1 << 20)  # fmt: skip
 
 
 def payload(session: str, version: int) -> tuple[list[int], int]:

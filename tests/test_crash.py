@@ -85,7 +85,30 @@ async def check(data: Path, log: Path, *, sweep: bool) -> int:
             held = {k async for k in store.chunks.backend(store.chunks.record_tier).keys(CHUNK_PREFIX)}
             held_tails = {k async for k in store.chunks.backend(store.chunks.record_tier).keys(TAIL_PREFIX)}
             assert held == named and held_tails == tails, "gc left garbage, or dropped what a manifest names"
+            check_value_log(store.chunks.backend(store.chunks.record_tier))
         return len(manifests)
+
+
+def check_value_log(backend: object) -> None:
+    """After gc: every segment file left is named by a pointer (or is this process's own active
+    one), its live bytes are what the pointers say, and dead bytes are bounded (compaction ran)."""
+    import lmdb
+
+    from agentstate.backends.value_log import Pointer
+
+    vlog = backend._log  # type: ignore[attr-defined]
+    with backend._env.begin(db=backend._ptrs) as txn:  # type: ignore[attr-defined]
+        pointers = [p for k, v in txn.cursor() if not k.startswith(b"\x01") and (p := Pointer.unpack(v))]
+    live: dict[int, int] = {}
+    for p in pointers:
+        live[p.segment] = live.get(p.segment, 0) + p.length
+        assert vlog.valid(p), f"a pointer past its segment's end: {p}"
+    on_disk = {int(f.name[:-4]): f.stat().st_size for f in vlog.root.glob("*.seg")}
+    assert set(on_disk) <= set(live) | {vlog._active}, f"unreferenced segments left: {set(on_disk) - set(live)}"
+    assert {s: seg.live for s, seg in vlog._segments.items() if seg.live} == live, "live-byte accounting drifted"
+    assert isinstance(lmdb.version(), tuple)
+    sealed = sum(size for s, size in on_disk.items() if s != vlog._active)
+    assert sealed <= 2 * sum(live.values()) + vlog.segment_bytes, "dead bytes were not reclaimed"
 
 
 async def kill_loop(data: Path, log: Path, kills: int, seed: int = 20261202) -> dict[str, int]:

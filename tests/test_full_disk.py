@@ -35,20 +35,22 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def config(data: Path, file_tier: bool) -> StoreConfig:
+def config(data: Path, file_tier: bool, value_log: bool = False) -> StoreConfig:
     tiers = [TierConfig(kind="host", capacity_bytes=64 << 20)]
     tiers += [TierConfig(kind="file", capacity_bytes=64 << 20)] if file_tier else []  # more than the disk
     return StoreConfig(path=data, tiers=[*tiers, TierConfig(kind="lmdb", path=Path("chunks"))], chunk_tokens=64,
-                       lmdb_map_size=64 << 20)  # fmt: skip
+                       lmdb_map_size=64 << 20, lmdb_segment_bytes=1 << 20,
+                       lmdb_value_log_min_bytes=64 << 10 if value_log else None)  # fmt: skip
 
 
 def session(i: int) -> tuple[list[int], object]:
     return random_tokens(TOKENS, seed=i), random_kv(SPEC4, TOKENS, seed=i)
 
 
-@pytest.mark.parametrize("file_tier", [False, True], ids=["lmdb", "file+lmdb"])
-async def test_full_disk_is_a_capacity_error_and_loses_nothing(small_disk: Path, file_tier: bool) -> None:
-    cfg = config(small_disk / "data", file_tier)
+@pytest.mark.parametrize(("file_tier", "value_log"), [(False, False), (True, False), (False, True)],
+                         ids=["lmdb", "file+lmdb", "lmdb+value-log"])  # fmt: skip
+async def test_full_disk_is_a_capacity_error_and_loses_nothing(small_disk: Path, file_tier: bool, value_log: bool) -> None:
+    cfg = config(small_disk / "data", file_tier, value_log)
     committed: list[int] = []
     async with StateStore.open(cfg, SPEC4) as store:
         with pytest.raises(CapacityError):

@@ -11,7 +11,7 @@ from agentstate.errors import CapacityError
 
 
 async def test_map_grows_instead_of_failing(tmp_path: Path) -> None:
-    b = LMDBBackend(tmp_path / "db", map_size=1 << 20)
+    b = LMDBBackend(tmp_path / "db", map_size=1 << 20, value_log_min_bytes=None)  # every value in the map
     vals = [os.urandom(1 << 20) for _ in range(12)]
     for i, v in enumerate(vals):
         await b.put([f"c/{i}"], [v])

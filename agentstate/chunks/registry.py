@@ -35,6 +35,7 @@ def _lmdb(cfg: TierConfig, store: StoreConfig) -> Backend:
     return LMDBBackend(
         Path(store.path) / (cfg.path or cfg.tier_name), map_size=store.lmdb_map_size,
         max_map_size=store.lmdb_max_map_size, threads=store.io_threads,
+        value_log_min_bytes=store.lmdb_value_log_min_bytes, segment_bytes=store.lmdb_segment_bytes,
     )  # fmt: skip
 
 

@@ -206,7 +206,7 @@ class StoreCollector(Collector):
         chunks = GaugeMetricFamily("agentstate_tier_chunks", "Chunks this process knows a tier holds (a remote tier: "
                                    "those it wrote or found there, not the store's total).", labels=tier)  # fmt: skip
         used = GaugeMetricFamily("agentstate_tier_bytes_used", "Bytes a local tier stores: value bytes of a capacity-"
-                                 "managed tier (host, device, file), pages in use of LMDB. Remote tiers: see "
+                                 "managed tier (host, device, file), pages in use of LMDB plus its value log's segment files. Remote tiers: see "
                                  "agentstate_tier_written_bytes_total and agentstate_remote_memory_*.", labels=tier)  # fmt: skip
         capacity = GaugeMetricFamily("agentstate_tier_capacity_bytes", "Configured capacity: capacity_bytes of a "
                                      "host, device or file tier; lmdb_max_map_size of LMDB when set.", labels=tier)  # fmt: skip
