@@ -168,8 +168,12 @@ class TierManager:
         """
         waits = {tier.inflight[k] for k in keys if k in tier.inflight}
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        stored, originals = dict(zip(keys, values)), dict(zip(keys, values))
+        if getattr(tier.backend, "compresses", False):  # a compressing tier's capacity is spent in stored bytes
+            todo = [k for k in stored if k not in tier.lru]
+            stored.update(zip(todo, await tier.backend.compress(todo, [stored[k] for k in todo])))
         async with tier.lock if tier.capacity is not None else contextlib.nullcontext():
-            new = [(k, v) for k, v in zip(keys, values) if k not in tier.lru]
+            new = [(k, stored[k]) for k in keys if k not in tier.lru]
             fits, spill = [], []
             for key, value in new:
                 if tier.capacity is None or await self._make_room(tier, len(value), {k for k, _ in new}):
@@ -204,7 +208,7 @@ class TierManager:
         if spill:
             self.counts[f"{tier.name}_full"] += len(spill)
             below = self._below(tier)
-            orphans = [(k, v) for k, v in spill if not any(self.index.holds(k, t.name) for t in below)]
+            orphans = [(k, originals[k]) for k, _ in spill if not any(self.index.holds(k, t.name) for t in below)]
             if orphans and below:
                 await self.put(below[0], [k for k, _ in orphans], [v for _, v in orphans])
             elif orphans:
