@@ -75,11 +75,18 @@ class TierConfig(BaseModel):
     buffer_bytes: Bytes = Field(
         default=256 * MiB, gt=0, description="mooncake tier: registered arena for zero-copy reads and writes"
     )
+    compression: Literal["none", "zstd", "lz4", "fp8", "fp8+zstd"] = Field(
+        default="none",
+        description="store this tier's values compressed: zstd/lz4 lossless (byte planes), fp8 lossy (e4m3 with"
+        " per-head scales), fp8+zstd; capacity counts compressed bytes; needs agentstate[compress]",
+    )
 
     @model_validator(mode="after")
     def _fits_kind(self) -> TierConfig:
         if self.kind == "mooncake" and self.ttl_seconds is not None:
             raise ValueError("the mooncake tier has no expiry (ttl_seconds); it evicts by itself when full")
+        if self.kind == "device" and self.compression != "none":
+            raise ValueError("the device tier serves chunks to the engine as they are; it cannot be compressed")
         return self
 
     @property

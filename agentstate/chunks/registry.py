@@ -2,7 +2,8 @@
 
 Each backend module is imported only when a tier of its kind is configured, so `import
 agentstate` never needs redis, mooncake or CUDA. A new backend is one module in `backends/` plus
-one entry here.
+one entry here. A tier with `compression` set is its backend wrapped in a CompressedBackend (the
+codec is imported only then, so zstandard and lz4 are needed only by tiers that use them).
 """
 
 from __future__ import annotations
@@ -82,5 +83,9 @@ def build_backend(cfg: TierConfig, store: StoreConfig) -> Backend:
     if factory is None:
         raise InvalidArgumentError(f"unknown tier kind {cfg.kind!r}; known: {sorted(BACKENDS)}")
     backend = factory(cfg, store)
+    if cfg.compression != "none":
+        from agentstate.backends.compressed import CompressedBackend
+
+        backend = CompressedBackend(backend, cfg.compression, threads=store.io_threads)
     backend.name = cfg.tier_name
     return backend
