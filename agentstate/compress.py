@@ -63,6 +63,7 @@ METHODS: dict[str, tuple[int, str]] = {
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _FP8_HEAD = struct.Struct("<16sB5I")  # fingerprint, codec dtype code, shape
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8).float().numpy()  # byte -> its e4m3 value
 _MODULES = {"zstd": "zstandard", "lz4": "lz4.block"}
 _local = threading.local()
 
@@ -177,8 +178,9 @@ def dequantize(stage: memoryview, key: str, original_len: int, out: memoryview) 
     if _FP8_HEAD.size + 4 * scales + numel != len(stage) or codec.encoded_size(numel * dtype.itemsize) != original_len:
         raise CorruptDataError(f"fp8 frame: shape {tuple(shape)} does not match its lengths")
     scale = torch.frombuffer(stage, dtype=torch.float32, offset=_FP8_HEAD.size, count=scales).view(layers, planes, heads)
-    q = torch.frombuffer(stage, dtype=torch.uint8, offset=_FP8_HEAD.size + 4 * scales, count=numel).view(FP8)
-    kv = (q.view(*shape).float() * scale[:, :, None, :, None]).to(dtype)
+    q = np.frombuffer(stage, np.uint8, numel, _FP8_HEAD.size + 4 * scales).reshape(shape)
+    # fp8 -> fp32 through a 256-entry table: ~3x torch's own conversion on CPU, and the same values
+    kv = torch.from_numpy(np.take(_FP8_VALUES, q)).mul_(scale[:, :, None, :, None]).to(dtype)
     codec.encode(kv, fp.hex(), key=key, out=out)  # type: ignore[arg-type]
 
 
