@@ -59,6 +59,12 @@ def refusal_of(exc: BaseException) -> AgentStateError | None:
     return BackendRefusedError(f"redis refused the command: {reason}")
 
 
+def _byte_view(value: bytes | bytearray | memoryview) -> memoryview:
+    """A flat view of unsigned bytes (its len is its byte count), whatever the buffer's own format."""
+    view = memoryview(value)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 class CircuitBreaker:
     """Opens after `threshold` consecutive failures; lets one probe through after `cooldown_s`."""
 
@@ -277,7 +283,7 @@ class RedisBackend(Backend):
     async def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
         if self._wire is None:
             return await super().get_into(keys, buffers)
-        views = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in map(memoryview, buffers)]
+        views = [_byte_view(b) for b in buffers]
         return [max(n, 0) for n in await self._wire_read(keys, views)] if keys else []
 
     async def read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:
@@ -375,7 +381,8 @@ class RedisBackend(Backend):
             return
         data = dict(zip(keys, values, strict=True))
         errors: list[AgentStateError] = []
-        set_ = lambda p, k: p.set(k, bytes(data[k[len(self.prefix) :]]), ex=self.ttl_seconds)
+        # A view, not a copy: redis-py sends memoryviews as they are; they live until the call returns.
+        set_ = lambda p, k: p.set(k, _byte_view(data[k[len(self.prefix) :]]), ex=self.ttl_seconds)
         got = await self._per_key(keys, set_, errors)
         failed = sum(v is FAILED for v in got)
         self._counts["writes"] += len(keys) - failed

@@ -101,7 +101,7 @@ class _Request:
 class RespProtocol(asyncio.BufferedProtocol):
     """One connection; replies answer `pending` in order."""
 
-    def __init__(self, window: int = 2) -> None:
+    def __init__(self, window: int = 8) -> None:
         self.transport: asyncio.Transport | None = None
         self.pending: deque[_Request] = deque()  # sent, awaiting their replies in order
         self.waiting: deque[tuple[bytes, _Request]] = deque()  # not sent yet: the window is full
@@ -129,8 +129,9 @@ class RespProtocol(asyncio.BufferedProtocol):
         return len(self.pending) + len(self.waiting)
 
     def send(self, commands: list[bytes], reqs: list[_Request]) -> None:
-        """Queue requests; at most `window` are sent ahead of their replies. A deeper pipeline makes
-        redis-server buffer whole MiB-sized replies in its own memory (a copy more on its one thread)."""
+        """Queue requests; at most `window` are sent ahead of their replies, one while values are large:
+        a deeper pipeline of MiB-sized values only makes redis-server copy them into its own output
+        buffers (more work on its one thread, measured slower); other connections keep it busy."""
         if self.closed is not None or self.transport is None or self.transport.is_closing():
             raise WireError("connection closed")
         self.waiting.extend(zip(commands, reqs))
@@ -138,7 +139,8 @@ class RespProtocol(asyncio.BufferedProtocol):
 
     def _pump(self) -> None:
         out = []
-        while self.waiting and len(self.pending) < self.window:
+        window = 1 if self._big else self.window
+        while self.waiting and len(self.pending) < window:
             command, req = self.waiting.popleft()
             if not req.cancelled:
                 self.pending.append(req)
