@@ -7,10 +7,15 @@ Starts its own redis-server on a loopback port (as the tests do) and, in the sam
 1. Host A snapshots 64 sessions through a shared catalog into Redis (chunks of 64 tokens of an
    8-layer, 8-KV-head, 128-dim bf16 model: 2 MiB values). A fresh host B (own data directory,
    nothing local) resumes them 1, 8 or 64 sessions at a time into preallocated buffers: every
-   chunk comes from Redis. Figure: GB/s, and its ratio to redis-benchmark's own GET throughput
-   for values of the same size on the same server (`-t set,get -d <value bytes>`, 1/8/64
-   clients), the most this server and client machine can move.
-2. TTFT-style: the time to restore one 32k-token session (a Qwen2-0.5B-shaped model: 24 layers,
+   chunk comes from Redis (the tier's wire read path, backends/redis_wire.py). Figure: GB/s, and
+   its ratio to redis-benchmark's own GET throughput for values of the same size on the same
+   server (`-t set,get -d <value bytes>`, 1/8/64 clients), the most this server and client
+   machine can move.
+2. Writes the same way: hosts with only the Redis tier (and the catalog in Redis) snapshot the
+   same amount of KV under fresh token ids (every chunk a new key), 1, 8 or 64 sessions at a
+   time, against redis-benchmark's SET throughput from the same run (same value size, clients).
+   They use database 1, emptied after each pass, so the read data set stays as it was.
+3. TTFT-style: the time to restore one 32k-token session (a Qwen2-0.5B-shaped model: 24 layers,
    2 KV heads, 64 dim, bf16; 384 MiB) on a host that has never seen it, from Redis, against the
    same session from LMDB on the host that wrote it (page cache warm, and cold after
    drop_caches when permitted).
@@ -66,20 +71,21 @@ def drop_caches() -> bool:
         return False
 
 
-def redis_benchmark(port: int, value: int, clients: int, requests: int) -> float | None:
-    """GB/s of redis-benchmark's GETs of `value`-byte values (its own C client, pipelining off)."""
+def redis_benchmark(port: int, value: int, clients: int, requests: int) -> dict[str, float]:
+    """GB/s of redis-benchmark's SETs and GETs of `value`-byte values (its own C client, pipelining off)."""
     if shutil.which("redis-benchmark") is None:
-        return None
+        return {}
     out = subprocess.run(
         ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(value),
          "-n", str(requests), "-c", str(clients), "--csv"],
         capture_output=True, text=True, timeout=600, check=True,
     ).stdout  # fmt: skip
+    rates: dict[str, float] = {}
     for line in out.splitlines():
         cells = [c.strip('"') for c in line.split(",")]
-        if cells and cells[0] == "GET":
-            return float(cells[1]) * value / GB
-    return None
+        if cells and cells[0] in ("SET", "GET"):
+            rates[cells[0]] = float(cells[1]) * value / GB
+    return rates
 
 
 async def redis_py_get(url: str, conc: int, reps: int) -> float:
@@ -156,6 +162,36 @@ async def bench_sessions(root: Path, url: str, total: int, reps: int) -> tuple[d
     return out, SPEC.token_bytes * CHUNK + HEADER
 
 
+async def bench_writes(root: Path, url: str, total: int, reps: int) -> dict[int, float]:
+    """GB/s of KV snapshotted into Redis (the only tier) with `conc` sessions in flight, on database 1."""
+    import redis.asyncio as aioredis
+
+    tokens_each = total // SESSIONS // SPEC.token_bytes // CHUNK * CHUNK
+    g = torch.Generator().manual_seed(2)
+    kvs = [torch.randn(SPEC.kv_shape(tokens_each), generator=g).to(torch.bfloat16) for _ in range(2)]
+    url1 = url.rsplit("/", 1)[0] + "/1"
+    admin = aioredis.Redis.from_url(url1)
+    nbytes = SESSIONS * tokens_each * SPEC.token_bytes
+    out: dict[int, float] = {}
+    for conc in CONCURRENCY:
+        times = []
+        for r in range(reps):
+            ids = [torch.randint(0, 100_000, (tokens_each,), generator=g).tolist() for _ in range(SESSIONS)]
+            async with StateStore.open(
+                shared(root / f"putter-{conc}-{r}", url1, remote_only=True, chunk_tokens=CHUNK), SPEC
+            ) as w:
+                t = time.perf_counter()
+                for i in range(0, SESSIONS, conc):
+                    group = range(i, min(i + conc, SESSIONS))
+                    await asyncio.gather(*(w.snapshot(f"w{j}", ids[j], kvs[j % 2]) for j in group))
+                times.append(time.perf_counter() - t)
+            await admin.flushdb()
+        out[conc] = nbytes / GB / float(np.median(times))
+        log(f"remote snapshot x{conc}: {out[conc]:.2f} GB/s")
+    await admin.aclose()
+    return out
+
+
 async def bench_ttft(root: Path, url: str, tokens: int, reps: int) -> dict[str, float]:
     kv = torch.randn(TTFT_SPEC.kv_shape(tokens), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     ids = torch.randint(0, 150_000, (tokens,)).tolist()
@@ -187,9 +223,12 @@ async def bench_ttft(root: Path, url: str, tokens: int, reps: int) -> dict[str, 
     return medians
 
 
-def render(cmd: str, remote: dict[int, float], value: int, peer: dict[int, float | None], client: dict[int, float],
-           ttft: dict[str, float],
-           ttft_tokens: int, secs: float) -> str:  # fmt: skip
+def ratio(ours: float, theirs: float | None) -> str:
+    return f"{theirs:.2f} | {ours / theirs:.0%}" if theirs else "n/a | "
+
+
+def render(cmd: str, remote: dict[int, float], writes: dict[int, float], value: int, peer: dict[int, dict[str, float]],
+           client: dict[int, float], ttft: dict[str, float], ttft_tokens: int, secs: float) -> str:  # fmt: skip
     lines = [
         BEGIN, "## Remote tier (issue 4)", "",
         f"`{cmd}` — {dt.date.today().isoformat()}, {os.cpu_count()} CPUs, redis-server "
@@ -203,11 +242,16 @@ def render(cmd: str, remote: dict[int, float], value: int, peer: dict[int, float
         "|---:|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
     for conc in CONCURRENCY:
-        p = peer.get(conc)
-        bench = f"{p:.2f} | {remote[conc] / p:.0%}" if p else "n/a | "
+        bench = ratio(remote[conc], peer[conc].get("GET"))
         lines.append(
             f"| {conc} | {remote[conc]:.2f} | {bench} | {client[conc]:.2f} | {remote[conc] / client[conc]:.0%} |"
         )
+    lines += ["", "Snapshots of the same amount of KV (every chunk a new key) by hosts whose only tier is Redis, vs "
+              "redis-benchmark's SET throughput from the same run (same value size, as many clients as sessions):", "",
+              "| sessions in flight | ours GB/s | redis-benchmark SET GB/s | ours / redis-benchmark |",
+              "|---:|---:|---:|---:|"]  # fmt: skip
+    for conc in CONCURRENCY:
+        lines.append(f"| {conc} | {writes[conc]:.2f} | {ratio(writes[conc], peer[conc].get('SET'))} |")
     lines += ["", f"Restoring one {ttft_tokens // 1024}k-token session ({TTFT_SPEC.token_bytes * ttft_tokens / 2**20:.0f} MiB, "
               f"{TTFT_SPEC.model_id}), median wall time of `resume(into=)`:", "", "| from | ms | GB/s |", "|---|---:|---:|"]  # fmt: skip
     for k, v in ttft.items():
@@ -242,7 +286,8 @@ def main() -> None:
         requests = max(64, total // value)
         peer = {c: redis_benchmark(server.port, value, c, requests) for c in CONCURRENCY}
         for c, p in peer.items():
-            log(f"redis-benchmark GET x{c}: {p:.2f} GB/s" if p else "redis-benchmark missing")
+            log(f"redis-benchmark x{c}: " + (", ".join(f"{k} {v:.2f} GB/s" for k, v in p.items()) or "missing"))
+        writes = asyncio.run(bench_writes(args.data_dir, server.url, total, reps))
         client = {c: asyncio.run(redis_py_get(server.url, c, reps)) for c in CONCURRENCY}
         for c, p in client.items():
             log(f"redis-py GET x{c}: {p:.2f} GB/s")
@@ -252,7 +297,7 @@ def main() -> None:
         server.stop()
         shutil.rmtree(args.data_dir, ignore_errors=True)
     cmd = "python benchmarks/bench_remote.py" + (" --quick" if args.quick else "")
-    section = render(cmd, remote, value, peer, client, ttft, ttft_tokens, time.perf_counter() - started)
+    section = render(cmd, remote, writes, value, peer, client, ttft, ttft_tokens, time.perf_counter() - started)
     print(section)
     if not args.quick:
         write_doc(section)
