@@ -74,13 +74,14 @@ class CompressedBackend(Backend):
         if len(keys) != len(values):
             raise InvalidArgumentError("keys and values differ in length")
         loop = asyncio.get_running_loop()
-        jobs = [
-            loop.run_in_executor(self._pool, compress.compress, v, k, self.method)
-            for k, v in zip(keys, values) if not compress.is_frame(memoryview(v))
-        ]  # fmt: skip
-        done = iter(await asyncio.gather(*jobs))
-        framed = [v if compress.is_frame(memoryview(v)) else next(done) for v in values]
-        self._counts.update(logical_in=sum(len(v) for v in values), stored_out=sum(len(f) for f in framed))
+        todo = [i for i, v in enumerate(values) if not compress.is_frame(memoryview(v))]
+        done = await asyncio.gather(
+            *(loop.run_in_executor(self._pool, compress.compress, values[i], keys[i], self.method) for i in todo)
+        )
+        framed = list(values)
+        for i, frame in zip(todo, done):
+            framed[i] = frame
+        self._counts.update(logical_in=sum(len(values[i]) for i in todo), stored_out=sum(len(f) for f in done))
         return framed
 
     async def put(self, keys: Sequence[str], values: Sequence[Value]) -> None:

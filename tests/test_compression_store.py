@@ -74,6 +74,7 @@ async def test_capacity_counts_compressed_bytes(open_store: Callable[..., Any]) 
         stats = await store.chunks.backend("host").stats()
         assert host.used_bytes <= capacity and stats.bytes_used == host.used_bytes
         assert host.chunks == stats.items and host.chunks * chunk > 2 * capacity  # over 2x C of logical KV
+        assert store.chunks.backend("host").ratio() > 2
         out = torch.empty_like(kv)
         assert await store.load(tokens, out) == len(tokens) and bits_equal(out, kv)
 
