@@ -16,10 +16,11 @@ A frame wraps one stored value (an encoded chunk, see `agentstate.codec`) and is
 Why this shape: the checksum is over the compressed bytes, so damage is found before any
 decompressor runs, and it is bound to the key like the chunk codec's, so a frame copied under
 another key is refused (this matters for fp8, whose decoder re-encodes the chunk under the key it
-is read with). Both declared lengths are bounded (`MAX_VALUE_BYTES`) and the decoders are given
-exactly the stage length as their output limit, so a forged frame (a "bomb") can make a decoder
-allocate at most what it declares, and anything that does not come out at exactly that length is
-CorruptDataError: a miss, recomputed, never wrong bytes.
+is read with). The declared original length is bounded (`MAX_VALUE_BYTES`), the stage length is at
+most the original length, and the decoders are given exactly the stage length as their output
+limit, so a forged frame (a "bomb") can make a decoder allocate at most what it declares, and
+anything that does not come out at exactly that length is CorruptDataError: a miss, recomputed,
+never wrong bytes.
 
 Lossless modes shuffle the chunk payload into byte planes (all high bytes of the bf16 elements,
 then all low bytes): exponents cluster, so zstd/lz4 find runs they cannot find interleaved. The
@@ -36,7 +37,7 @@ import importlib
 import struct
 import threading
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -58,7 +59,8 @@ ZSTD_LEVEL = 1
 QUANT_NONE, QUANT_FP8 = 0, 1
 ENTROPY: dict[str, int] = {"none": 0, "zstd": 1, "lz4": 2}
 METHODS: dict[str, tuple[int, str]] = {
-    "zstd": (QUANT_NONE, "zstd"), "lz4": (QUANT_NONE, "lz4"), "fp8": (QUANT_FP8, "none"), "fp8+zstd": (QUANT_FP8, "zstd"),
+    "zstd": (QUANT_NONE, "zstd"), "lz4": (QUANT_NONE, "lz4"),
+    "fp8": (QUANT_FP8, "none"), "fp8+zstd": (QUANT_FP8, "zstd"),
 }  # fmt: skip
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -177,7 +179,8 @@ def dequantize(stage: memoryview, key: str, original_len: int, out: memoryview) 
     scales, numel = layers * planes * heads, layers * planes * tokens * heads * dim
     if _FP8_HEAD.size + 4 * scales + numel != len(stage) or codec.encoded_size(numel * dtype.itemsize) != original_len:
         raise CorruptDataError(f"fp8 frame: shape {tuple(shape)} does not match its lengths")
-    scale = torch.frombuffer(stage, dtype=torch.float32, offset=_FP8_HEAD.size, count=scales).view(layers, planes, heads)
+    scale = torch.frombuffer(stage, dtype=torch.float32, offset=_FP8_HEAD.size, count=scales)
+    scale = scale.view(layers, planes, heads)
     q = np.frombuffer(stage, np.uint8, numel, _FP8_HEAD.size + 4 * scales).reshape(shape)
     # fp8 -> fp32 through a 256-entry table: ~3x torch's own conversion on CPU, and the same values
     kv = torch.from_numpy(np.take(_FP8_VALUES, q)).mul_(scale[:, :, None, :, None]).to(dtype)
@@ -215,7 +218,8 @@ def _entropy_decode(coder: int, payload: memoryview, stage_len: int) -> bytes | 
             zstd = _module("zstd")
             if zstd.frame_content_size(payload) != stage_len:  # zstd allocates what its frame declares
                 raise CorruptDataError("zstd frame declares another length than the frame header")
-            data = _zstd_ctx("d").decompress(payload, max_output_size=stage_len, allow_extra_data=False)  # type: ignore[attr-defined]
+            dctx: Any = _zstd_ctx("d")
+            data = dctx.decompress(payload, max_output_size=stage_len, allow_extra_data=False)
         else:
             data = _module("lz4").decompress(payload, uncompressed_size=stage_len)
     except AgentStateError:
@@ -244,7 +248,7 @@ def compress(value: bytes | bytearray | memoryview, key: str, method: str) -> by
         return value
     stage: bytes | bytearray | None = quantize(view) if quant == QUANT_FP8 else None
     elem = 1
-    if stage is None:
+    if stage is None or len(stage) > len(view):  # (a stage never outgrows the value: decoders rely on it)
         quant = QUANT_NONE
         if coder == "none":  # fp8 of a chunk that fp8 cannot hold: stored as it is
             return value
@@ -277,7 +281,8 @@ def decompress(frame: memoryview | bytes, key: str, out: memoryview | None = Non
         raise CorruptDataError(f"not a compressed frame of version {VERSION} (magic {magic!r}, version {version})")
     if quant not in (QUANT_NONE, QUANT_FP8) or coder not in ENTROPY.values() or elem not in (1, 2, 4, 8):
         raise CorruptDataError(f"compressed frame with unknown method ({quant}, {coder}, {elem})")
-    if max(original_len, stage_len) > MAX_VALUE_BYTES or (quant == QUANT_NONE and stage_len != original_len):
+    lossless = quant == QUANT_NONE
+    if original_len > MAX_VALUE_BYTES or stage_len > original_len or (lossless and stage_len != original_len):
         raise CorruptDataError(f"compressed frame declares out-of-bound lengths ({original_len}, {stage_len})")
     if len(view) != HEADER_SIZE + payload_len:
         raise CorruptDataError(f"compressed frame is {len(view)} bytes, its header says {HEADER_SIZE + payload_len}")

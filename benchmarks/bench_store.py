@@ -71,7 +71,7 @@ GB = 1e9
 HEADER_BYTES = 64  # codec header per chunk; only used to size the host tier
 
 SPEC = ModelSpec(model_id="bench/llama-8b-shape", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
-GOALS = {"host": 0.70, "warm": 0.50}  # share of memcpy (numpy) that resume should reach, per the issue
+GOALS = {"host": 0.90, "warm": 0.70, "snapshot": 0.80}  # share of its ceiling each should reach, per the issues
 SESSION = "bench-session"
 DEFAULTS = {name: f.default for name, f in StoreConfig.model_fields.items()}
 
@@ -143,6 +143,19 @@ def _disk_bytes() -> int:
     return 0
 
 
+def _disk_read_bytes() -> int:
+    """Bytes read from DISK since boot (/proc/diskstats), 0 when unknown: a 'cold' figure whose run
+    read fewer bytes from the device than it restored was served (partly) from memory."""
+    if DISK is None:
+        return 0
+    with open("/proc/diskstats") as f:
+        for line in f:
+            v = line.split()
+            if (int(v[0]), int(v[1])) == DISK:
+                return int(v[5]) * 512
+    return 0
+
+
 def _self_io() -> int:
     """Storage bytes this process caused to be read or written (/proc/self/io), 0 when unknown."""
     try:
@@ -178,6 +191,7 @@ class Result:
     goal: float | None = None
     note: str = ""
     ref_samples: list[float] = field(default_factory=list)  # the ceiling `ref`, re-measured alongside (GB/s)
+    device_read: list[int] = field(default_factory=list)  # cold runs: bytes the device read during each timed run
     _wall: float = 0.0
     _other: float = 0.0
     _steal: float = 0.0
@@ -323,17 +337,32 @@ class Refs:
         self.dst.fill(0)
         self.disk_file = disk_file
         self.buf = aligned_array(4 * MiB)
+        self.buf8 = aligned_array(32 * MiB)
 
     def memcpy(self, reps: int = 3) -> list[float]:
+        """Each rep: the better of one thread of `np.copyto` and two threads on halves. The store
+        copies on several threads, so one thread's memcpy is not the limit (figures of 105-130% of
+        it were seen); the machine's memory bandwidth, as two threads reach it, is."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        half = self.src.nbytes // 2
         out = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            np.copyto(self.dst, self.src)
-            out.append(self.src.nbytes / (time.perf_counter() - t0) / GB)
+        with ThreadPoolExecutor(2) as pool:
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                np.copyto(self.dst, self.src)
+                one = self.src.nbytes / (time.perf_counter() - t0) / GB
+                t0 = time.perf_counter()
+                list(pool.map(lambda i: np.copyto(self.dst[i * half : (i + 1) * half], self.src[i * half : (i + 1) * half]),
+                              range(2)))  # fmt: skip
+                out.append(max(one, self.src.nbytes / (time.perf_counter() - t0) / GB))
         return out
 
     def cold_read(self) -> tuple[bool, float]:
-        """(drop_caches worked, GB/s) of a sequential `os.readv` read of the ceiling file."""
+        """(drop_caches worked, GB/s): the best of two cold reads of the ceiling file, one stream of
+        `os.readv` 4 MiB, and 4 threads of `os.preadv` 8 MiB each announced first with
+        POSIX_FADV_WILLNEED (the fastest way found to read this disk cold: several requests in
+        flight). A store that reads faster than this must be reading from memory somewhere."""
         ok = drop_caches()
         fd = os.open(self.disk_file, os.O_RDONLY)
         try:
@@ -341,10 +370,74 @@ class Refs:
             t0 = time.perf_counter()
             while (got := os.readv(fd, [self.buf])) > 0:
                 total += got
-            elapsed = time.perf_counter() - t0
+            one = total / (time.perf_counter() - t0) / GB
         finally:
             os.close(fd)
-        return ok, total / elapsed / GB
+        ok &= drop_caches()
+        return ok, max(one, parallel_cold_read(self.disk_file, self.buf8))
+
+    def durable_write(self, data: np.ndarray, where: Path) -> float:
+        """GB/s of the best durable sequential write of `data` (the snapshot's own bytes) into a new
+        file: 4 MiB `pwrite`s then one `fdatasync`, or the same with each piece handed to the disk
+        as written (sync_file_range, as the value log does). The file is deleted."""
+        best = 0.0
+        for early in (False, True):
+            drop_caches()
+            path = where / "ceiling-durable.bin"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                t0 = time.perf_counter()
+                for off in range(0, data.nbytes, 4 * MiB):
+                    n = os.pwrite(fd, data[off : off + 4 * MiB], off)
+                    if early and _SYNC_FILE_RANGE is not None:
+                        _SYNC_FILE_RANGE(fd, off, n, 2)
+                os.fdatasync(fd)
+                best = max(best, data.nbytes / (time.perf_counter() - t0) / GB)
+            finally:
+                os.close(fd)
+                path.unlink()
+        return best
+
+
+def _sync_file_range() -> Any:
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+
+
+def parallel_cold_read(path: Path, buf: np.ndarray, threads: int = 4) -> float:
+    """GB/s of reading `path` (caches dropped by the caller) with `threads` threads of `os.preadv`,
+    each piece (len(buf) // threads bytes) announced with POSIX_FADV_WILLNEED before the reads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    size = os.path.getsize(path)
+    piece = len(buf) // threads
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t0 = time.perf_counter()
+        for off in range(0, size, piece):
+            os.posix_fadvise(fd, off, piece, os.POSIX_FADV_WILLNEED)
+        views = [memoryview(buf)[i * piece : (i + 1) * piece] for i in range(threads)]
+
+        def read(i: int) -> int:
+            got = 0
+            for off in range(i * piece, size, threads * piece):
+                got += os.preadv(fd, [views[i]], off)
+            return got
+
+        with ThreadPoolExecutor(threads) as pool:
+            total = sum(pool.map(read, range(threads)))
+        return total / (time.perf_counter() - t0) / GB
+    finally:
+        os.close(fd)
 
 
 def aligned_array(nbytes: int) -> np.ndarray:
@@ -604,8 +697,10 @@ async def bench_size(run: Run, data_dir: Path, tokens_n: int, label: str, reps: 
         )
 
     # snapshot, each into a fresh store; the last store stays open and serves the host-tier reads
-    snap = result("snapshot into a fresh store (host tier + LMDB, synced)", "lmdb_put",
-                  note=f"LMDB map starts at {DEFAULTS['lmdb_map_size'] >> 20} MiB and grows")  # fmt: skip
+    snap = result("snapshot into a fresh store (host tier + LMDB, synced)", "durable_write", GOALS["snapshot"],
+                  note="ceiling: the same bytes written sequentially and fdatasync'd, best of plain and early"
+                       " writeback, just before each run")  # fmt: skip
+    raw = src.view(torch.uint8).reshape(-1).numpy()
     store: StateStore | None = None
     root = data_dir / f"store-{label}"
     for _ in range(reps["snapshot"]):
@@ -614,8 +709,10 @@ async def bench_size(run: Run, data_dir: Path, tokens_n: int, label: str, reps: 
             store = None
             shutil.rmtree(root)
             gc.collect()
+        snap.ref_samples.append(refs.durable_write(raw, data_dir))
         store = await StateStore.open(root, spec, host_capacity_bytes=host_cap)
         await timed_async(snap, functools.partial(store.snapshot, SESSION, tokens, src), lambda m: None)
+    del raw
     done(snap)
     assert store is not None
     # a shared prefix of the same tokens has the same chunk keys: it dedupes and writes nothing new
@@ -680,6 +777,7 @@ async def bench_size(run: Run, data_dir: Path, tokens_n: int, label: str, reps: 
         ops.append(("`resume(into=reused)`, cold LMDB", lambda s, kv: s.resume(SESSION, into=kv)))
     ops.append(("`load(into=reused)`, cold LMDB", lambda s, kv: s.load(tokens, into=kv)))
     kv: torch.Tensor | None = None
+    open_reads: list[int] = []
     for i, (name, op) in enumerate(ops):
         r = result(name, "disk_cold", note=note)
         if kv is not None:
@@ -690,16 +788,25 @@ async def bench_size(run: Run, data_dir: Path, tokens_n: int, label: str, reps: 
             ok, gbps = refs.cold_read()  # the disk's own cold read, just before this run
             r.ref_samples.append(gbps)
             run.cold_ok &= ok and drop_caches()
+            opened = _disk_read_bytes()
             store = await StateStore.open(root, spec, host_capacity_bytes=0)
+            before = _disk_read_bytes()
+            open_reads.append(before - opened)
             value = await timed_async(r, functools.partial(op, store, kv), restored)
+            r.device_read.append(_disk_read_bytes() - before)
             if i == 0:
                 kv = value.kv
             del value
             await store.close()
             del store
+        r.note += f"; the device read {statistics.median(r.device_read) / 1e6:.0f} MB per run ({nbytes / 1e6:.0f} MB restored)"
         done(r)
         assert kv is not None
         whole(kv, name)
+    run.notes.append(
+        f"{label}: reopening the store before each cold run read {statistics.median(open_reads) / 1e6:.1f} MB from "
+        "the device (untimed): what opening costs, and what a cold figure did not have to read itself."
+    )
     del kv
     gc.collect()
 
@@ -759,7 +866,8 @@ def contended(r: Result) -> bool:
 
 
 def ref_name(ref: str) -> str:
-    names = {"memcpy_np": "memcpy (numpy)", "disk_cold": "cold disk read", "lmdb_put": "raw synced py-lmdb put"}
+    names = {"memcpy_np": "memcpy (best of 1 and 2 threads)", "disk_cold": "best cold disk read", "lmdb_put": "raw synced py-lmdb put",
+             "durable_write": "durable sequential write"}
     return names.get(ref, ref)
 
 
@@ -851,7 +959,7 @@ def interpret(run: Run) -> str:
         base = statistics.median(r.ref_samples) if r.ref_samples else c[r.ref].gbps
         return f"{r.gbps:.2f} GB/s = {ratio:.0%} of {ref_name(r.ref)} ({base:.2f} GB/s, {where})"
 
-    for tier, key in (("host tier", "host"), ("warm LMDB", "warm")):
+    for tier, key in (("host tier", "host"), ("warm LMDB", "warm")):  # snapshot: below
         goal = GOALS[key]
         parts = []
         for s in sizes:
@@ -870,7 +978,8 @@ def interpret(run: Run) -> str:
                 bits.append(f"{r.name.split(',')[0]} {pct(r)}, {verdict}")
             parts.append(f"{s}: " + "; ".join(bits))
         if parts:
-            out.append(f"**Goal: {tier} resume >= {goal:.0%} of memcpy (numpy).** " + ". ".join(parts) + ".")
+            out.append(f"**Goal: {tier} resume >= {goal:.0%} of memcpy (the better of one `np.copyto` thread and two"
+                       " on halves, measured alongside).** " + ". ".join(parts) + ".")  # fmt: skip
     out.append(
         f"A fresh tensor pays for its page faults: copying 1 GiB into a new `torch.empty` tensor ran at "
         f"{c['fresh_4k'].gbps:.2f} GB/s and into new huge-page memory at {c['fresh_huge'].gbps:.2f} GB/s, against "
@@ -890,11 +999,15 @@ def interpret(run: Run) -> str:
     if cold:
         out.append(
             ("**Cold LMDB**" if run.cold_ok else "**'Cold' LMDB (drop_caches failed: these are warm reads)**")
-            + ", against a one-stream cold `os.readv` of the 2 GiB file measured just before each run: "
+            + ", against the best cold read of the disk measured just before each run (one stream of `os.readv`, or"
+            " 4 threads of `os.preadv` announced with WILLNEED, whichever was faster): "
             + ". ".join(cold)
-            + f". (Raw py-lmdb cold get on one thread: {c['lmdb_get_cold'].gbps:.2f} GB/s.) The store faults "
-            "several chunks in at once (io_threads) through the mmap with the kernel's readahead, so it can beat "
-            "a one-stream read; this disk also swings a lot from run to run."
+            + f". (Raw py-lmdb cold get on one thread: {c['lmdb_get_cold'].gbps:.2f} GB/s.) Each run's note says how "
+            "many bytes the device read while it was timed: a figure is a cold read only where that is the bytes "
+            "restored. Earlier versions of this page showed cold LMDB at 200-240% of the disk: opening an LMDB store "
+            "lists its keys, and touching the B-tree's leaf pages pulled the values between them into the page "
+            "cache (8 MiB readahead around every fault), so the timed resume was mostly warm. Chunks now live in "
+            "LMDB's value log, and the open reads only the pointers (see the notes)."
         )
     promo = [
         (s, by.get((s, "`resume`, warm LMDB, default store (promotes each chunk into the host tier)"))) for s in sizes
@@ -915,9 +1028,13 @@ def interpret(run: Run) -> str:
         )
     snaps = [(s, by.get((s, "snapshot into a fresh store (host tier + LMDB, synced)"))) for s in sizes]
     out.append(
-        "**Snapshot** is bound by durable writes: "
-        + "; ".join(f"{s} {pct(r)}" for s, r in snaps if r)
-        + f"; a plain 2 GiB file write + fsync did {c['disk_write'].gbps:.2f} GB/s."
+        f"**Goal: snapshot >= {GOALS['snapshot']:.0%} of a durable sequential write of the same bytes.** "
+        + "; ".join(f"{s} {pct(r)}, {'met' if (r.ratio(c) or 0) >= GOALS['snapshot'] else 'NOT met'}" for s, r in snaps if r)
+        + f". A snapshot encodes every chunk (a copy into fresh host memory the host tier keeps, plus an xxh3 "
+        "checksum) and writes it to LMDB's value log, synced once per group commit, then commits the manifest; the "
+        "encoding of one batch overlaps the write of the one before. For reference, raw py-lmdb with its values in "
+        f"the map (one synced transaction per 32 MiB value) did {c['lmdb_put'].gbps:.2f} GB/s and a plain 2 GiB "
+        f"file write + fsync {c['disk_write'].gbps:.2f} GB/s (ceilings table)."
     )
     busy = [r for r in [*c.values(), *run.results] if contended(r)]
     if busy:

@@ -39,7 +39,8 @@ LOSSLESS = ["zstd", "lz4"]
 def model(dtype: torch.dtype = torch.bfloat16, layers: int = 3) -> Any:
     torch.manual_seed(0)
     cfg = Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024, tie_word_embeddings=False)  # fmt: skip
+                      num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024,
+                      tie_word_embeddings=False)  # fmt: skip
     return Qwen2ForCausalLM(cfg).to(dtype).eval()
 
 
@@ -149,8 +150,8 @@ def _bombs() -> tuple[bytes, bytes, bytes]:
     import zstandard
 
     zeros = b"\0" * (64 << 20)
-    return (zstandard.ZstdCompressor().compress(zeros), zstandard.ZstdCompressor(write_content_size=False).compress(zeros),
-            lz4.block.compress(zeros, store_size=False))  # fmt: skip
+    unsized = zstandard.ZstdCompressor(write_content_size=False)
+    return zstandard.ZstdCompressor().compress(zeros), unsized.compress(zeros), lz4.block.compress(zeros, store_size=False)
 
 
 def frames(key: str) -> dict[str, bytes]:
@@ -179,8 +180,9 @@ def frames(key: str) -> dict[str, bytes]:
         "lz4 bomb": forge(0, 2, 2, 4096, 4096, lz4_bomb),
         "huge declared": forge(0, 1, 2, 1 << 40, 1 << 40, b"x" * 100),
         "garbage payload": forge(0, 1, 2, 4096, 4096, b"\x28\xb5\x2f\xfd" + b"\xff" * 200),
-        "fp8 wrong shape": forge(1, 0, 1, len(value), 300, bytes(16) + b"\x03" + struct.pack("<5I", 2, 2, 64, 2, 16) + bytes(263)),
-        "fp8 bad dtype": forge(1, 0, 1, 100, 300, bytes(16) + b"\x07" + bytes(283)),
+        "fp8 wrong shape": forge(1, 0, 1, len(value), 300, bytes(16) + b"\x03" + struct.pack("<5I", 2, 2, 64, 2, 16)
+                                 + bytes(263)),  # fmt: skip
+        "fp8 bad dtype": forge(1, 0, 1, 400, 300, bytes(16) + b"\x07" + bytes(283)),
     }
 
 
@@ -225,7 +227,8 @@ def test_missing_coder_is_a_missing_dependency_error_and_import_agentstate_needs
         CompressedBackend(HostBackend(1 << 20), "lz4")
     code = ("import sys, agentstate, agentstate.store, agentstate.chunks.registry, agentstate.compress;"
             " print(sorted(m for m in sys.modules if m.split('.')[0] in ('zstandard', 'lz4')))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1])
+    root = Path(__file__).parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.strip() == "[]"
 
 

@@ -28,7 +28,8 @@ async def test_store_with_compressed_tiers_resumes_bit_exact_across_a_restart(
     m = model()
     spec = tfa.spec_for(m, model_id="test/tiny-qwen2")
     ids, cache = model_kv(m, 150)  # two 64-token chunks and a 22-token tail
-    tiers = [TierConfig(kind="host", capacity_bytes=1 << 30, compression="lz4"), TierConfig(kind=record, compression=method)]
+    host = TierConfig(kind="host", capacity_bytes=1 << 30, compression="lz4")
+    tiers = [host, TierConfig(kind=record, compression=method)]
     async with open_store(spec, tiers=tiers) as store:
         await tfa.snapshot(store, "agent", ids, cache, state={"turn": 3})
         assert all(compress.is_frame(memoryview(v)) for v in (await read_all(store.chunks.backend(record).inner,
@@ -41,7 +42,8 @@ async def test_store_with_compressed_tiers_resumes_bit_exact_across_a_restart(
         again = await tfa.resume(store, "agent", m)  # now from the host tier
     assert tokens == ids[0].tolist() and state == {"turn": 3} and n == 150
     for got in (restored, again.cache):
-        assert all(bits_equal(a.keys, b.keys) and bits_equal(a.values, b.values) for a, b in zip(got.layers, cache.layers))
+        pairs = zip(got.layers, cache.layers)
+        assert all(bits_equal(a.keys, b.keys) and bits_equal(a.values, b.values) for a, b in pairs)
 
 
 async def test_damaged_frame_in_a_store_is_recomputed_not_raised(open_store: Callable[..., Any]) -> None:
@@ -79,7 +81,9 @@ async def test_capacity_counts_compressed_bytes(open_store: Callable[..., Any]) 
         assert await store.load(tokens, out) == len(tokens) and bits_equal(out, kv)
 
 
-async def test_store_with_an_fp8_tier_serves_dequantized_kv_with_a_valid_checksum(open_store: Callable[..., Any]) -> None:
+async def test_store_with_an_fp8_tier_serves_dequantized_kv_with_a_valid_checksum(
+    open_store: Callable[..., Any],
+) -> None:
     m = model()
     spec = tfa.spec_for(m, model_id="test/tiny-qwen2")
     ids, cache = model_kv(m, 150)
