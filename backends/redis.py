@@ -23,14 +23,13 @@ from urllib.parse import urlsplit
 
 from agentstate.backends import redis_wire as wire
 from agentstate.backends.base import Backend, BackendStats, ReadSink
+from agentstate.backends.redis_pool import WireReader
 
 from agentstate.errors import AgentStateError, BackendError, BackendRefusedError, CapacityError
 
 log = logging.getLogger("agentstate.backends.redis")
 FAILED = object()  # a key whose call failed (its node was down), as opposed to a miss
 T = TypeVar("T")
-_REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "MASTERDOWN", "READONLY")
-"""Error replies that are about where or when to ask, not about the key: redis-py's path handles them."""
 VALUE_NAMESPACES = ("c/", "t/", "p/")
 """Where values live under the prefix: chunks and tails (`agentstate.keys`) and SGLang pages. The shared
 catalog's defaults put its `m/` hashes and `x/` records under the same `agentstate:` prefix: never values."""
@@ -147,9 +146,8 @@ class RedisBackend(Backend):
         self._max_in_flight = max_in_flight
         self._gate: asyncio.Semaphore | None = None
         # The wire read path: None where the URL needs redis-py (TLS, a unix socket, URL options).
-        self._wire = wire.wire_config(url)
-        self._pools: dict[str, wire.NodePool] = {}
-        self._connections, self._retries = connections, retries
+        config = wire.wire_config(url)
+        self._wire = WireReader(self, config, connections, retries) if config else None
 
     def _k(self, key: str) -> str:
         return self.prefix + key
@@ -284,7 +282,7 @@ class RedisBackend(Backend):
         if self._wire is None:
             return await super().get_into(keys, buffers)
         views = [_byte_view(b) for b in buffers]
-        return [max(n, 0) for n in await self._wire_read(keys, views)] if keys else []
+        return [max(n, 0) for n in await self._wire.read(keys, views)] if keys else []
 
     async def read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:
         if not keys:
@@ -292,7 +290,7 @@ class RedisBackend(Backend):
         if self._wire is None:
             return await self._py_read(keys, sink)
         sinks = [lambda view, i=i: sink(i, view) for i in range(len(keys))]  # type: ignore[misc]
-        return [n >= 0 for n in await self._wire_read(keys, sinks)]
+        return [n >= 0 for n in await self._wire.read(keys, sinks)]
 
     async def _py_read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:
         """Reads through redis-py: whole values as bytes, handed to the sink."""
@@ -303,78 +301,6 @@ class RedisBackend(Backend):
                 sink(i, memoryview(value))
         self._counts.update(reads=sum(found), misses=len(keys) - sum(found))
         return found
-
-    def _route(self, keys: Sequence[str]) -> dict[str, tuple[wire.WireConfig, list[int]]]:
-        """The keys by the node that owns them (in a cluster, from redis-py's slot map)."""
-        assert self._wire is not None
-        if not self.cluster:
-            return {self._server: (self._wire, list(range(len(keys))))}
-        groups: dict[str, tuple[wire.WireConfig, list[int]]] = {}
-        for i, key in enumerate(keys):
-            node = self._client.get_node_from_key(self._k(key))
-            cfg = wire.WireConfig(node.host, int(node.port), self._wire.username, self._wire.password)
-            groups.setdefault(node.name, (cfg, []))[1].append(i)
-        return groups
-
-    async def _wire_read(self, keys: Sequence[str], targets: Sequence[wire.Target]) -> list[int]:
-        """Each value into its target: bytes, wire.MISS or wire.TOO_BIG. A down node's keys are counted
-        misses (behind its breaker); keys the wire client cannot settle are read again through redis-py."""
-        out = [wire.MISS] * len(keys)
-        doubt: list[int] = []
-        try:
-            if self.cluster:
-                await self._client.initialize()  # the slot map (a no-op once known)
-            groups = self._route(keys)
-        except self._errors:
-            groups, doubt = {}, list(range(len(keys)))  # no slot map: redis-py routes (and fails) it all
-
-        async def run(node: str, cfg: wire.WireConfig, idx: list[int]) -> None:
-            breaker = self._breaker(node if self.cluster else None)
-            if breaker.open:
-                self._counts["errors"] += 1
-                return
-            pool = self._pools.get(node)
-            if pool is None or pool.config != cfg:
-                pool = self._pools[node] = wire.NodePool(cfg, self._connections)
-            got = await pool.fetch([self._k(keys[i]).encode() for i in idx], [targets[i] for i in idx],
-                                   timeout=self.timeout_s, retries=self._retries)  # fmt: skip
-            if down := next((g for g in got if type(g) is wire.WireError), None):
-                breaker.failure()  # down, or dropped again after every retry: its keys are misses
-                self._counts["errors"] += 1
-                log.warning("redis read from %s failed (%s)", node, down)
-            else:
-                breaker.success()
-            for i, g in zip(idx, got):
-                if isinstance(g, int):
-                    out[i] = g
-                elif type(g) is wire.WireError:
-                    continue
-                elif isinstance(g, wire.ReplyError) and not g.reply.startswith(_REDIRECTS):
-                    self._counts["refused"] += 1  # e.g. WRONGTYPE: this key alone is refused, a miss
-                    log.warning("redis refused a read of %s: %s", keys[i], g.reply[:200])
-                elif isinstance(g, wire.ReplyError | wire.WireProtocolError):
-                    doubt.append(i)  # moved, resharding, or a stream we doubt: redis-py decides
-                else:
-                    raise g  # the caller's sink failed
-
-        await asyncio.gather(*(run(node, cfg, idx) for node, (cfg, idx) in groups.items()))
-        served = sum(n >= 0 for n in out)
-        self._counts.update(reads=served, misses=len(keys) - len(doubt) - served)
-        if doubt:
-            await self._py_read([keys[i] for i in doubt], lambda j, view: self._deliver(targets, out, doubt[j], view))
-        return out
-
-    @staticmethod
-    def _deliver(targets: Sequence[wire.Target], out: list[int], i: int, view: memoryview) -> None:
-        target = targets[i]
-        if callable(target):
-            target(view)
-            out[i] = len(view)
-        elif len(view) <= len(target):
-            target[: len(view)] = view
-            out[i] = len(view)
-        else:
-            out[i] = wire.TOO_BIG
 
     async def put(self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]) -> None:
         if not keys:
@@ -442,6 +368,6 @@ class RedisBackend(Backend):
         )  # fmt: skip
 
     async def close(self) -> None:
-        for pool in self._pools.values():
-            pool.close()
+        if self._wire is not None:
+            self._wire.close()
         await self._client.aclose()

@@ -86,7 +86,9 @@ def pack(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
-class _Request:
+class Request:
+    """One command on a connection: where its value goes, and the future its caller awaits."""
+
     __slots__ = ("target", "future", "status", "cancelled", "conn")
 
     def __init__(self, target: Target | None, future: asyncio.Future[int], status: bool = False) -> None:
@@ -103,8 +105,8 @@ class RespProtocol(asyncio.BufferedProtocol):
 
     def __init__(self, window: int = 8) -> None:
         self.transport: asyncio.Transport | None = None
-        self.pending: deque[_Request] = deque()  # sent, awaiting their replies in order
-        self.waiting: deque[tuple[bytes, _Request]] = deque()  # not sent yet: the window is full
+        self.pending: deque[Request] = deque()  # sent, awaiting their replies in order
+        self.waiting: deque[tuple[bytes, Request]] = deque()  # not sent yet: the window is full
         self.window = window
         self.closed: BaseException | None = None
         self._buf = bytearray(_SCRATCH)
@@ -128,7 +130,7 @@ class RespProtocol(asyncio.BufferedProtocol):
     def load(self) -> int:
         return len(self.pending) + len(self.waiting)
 
-    def send(self, commands: list[bytes], reqs: list[_Request]) -> None:
+    def send(self, commands: list[bytes], reqs: list[Request]) -> None:
         """Queue requests; at most `window` are sent ahead of their replies, one while values are large:
         a deeper pipeline of MiB-sized values only makes redis-server copy them into its own output
         buffers (more work on its one thread, measured slower); other connections keep it busy."""
@@ -271,120 +273,3 @@ class RespProtocol(asyncio.BufferedProtocol):
             req.future.set_exception(result)
         else:
             req.future.set_result(result)
-
-
-class NodePool:
-    """Up to `size` connections to one node, opened on first use and again after a drop; the requests
-    of each batch go to the least loaded ones, pipelined behind whatever they already carry."""
-
-    def __init__(self, config: WireConfig, size: int) -> None:
-        self.config, self.size = config, max(1, size)
-        self.conns: list[RespProtocol] = []
-        self._lock: asyncio.Lock | None = None
-
-    async def _open(self) -> RespProtocol:
-        cfg = self.config
-        _, proto = await asyncio.get_running_loop().create_connection(RespProtocol, cfg.host, cfg.port)
-        hello = []
-        if cfg.password is not None:
-            creds = (cfg.username, cfg.password) if cfg.username else (cfg.password,)
-            hello.append(pack(b"AUTH", *(c.encode() for c in creds)))
-        if cfg.db:
-            hello.append(pack(b"SELECT", str(cfg.db).encode()))
-        if hello:
-            loop = asyncio.get_running_loop()
-            reqs = [_Request(None, loop.create_future(), status=True) for _ in hello]
-            proto.send(hello, reqs)
-            try:
-                await asyncio.gather(*(r.future for r in reqs))
-            except BaseException as exc:
-                proto.abort(WireError("handshake failed"))
-                if isinstance(exc, ReplyError):  # a wrong password, a db out of range: redis-py says why
-                    raise WireProtocolError(f"handshake refused: {exc.reply[:100]}") from None
-                raise
-        return proto
-
-    async def _ready(self) -> list[RespProtocol]:
-        self.conns = [c for c in self.conns if c.closed is None]
-        if len(self.conns) < self.size:
-            self._lock = self._lock or asyncio.Lock()
-            async with self._lock:
-                self.conns = [c for c in self.conns if c.closed is None]
-                got = await asyncio.gather(*(self._open() for _ in range(self.size - len(self.conns))),
-                                           return_exceptions=True)  # fmt: skip
-                self.conns += [c for c in got if isinstance(c, RespProtocol)]
-                if not self.conns:
-                    err = next(e for e in got if isinstance(e, BaseException))
-                    if isinstance(err, WireError | asyncio.CancelledError):
-                        raise err
-                    raise WireError(f"cannot connect ({type(err).__name__}: {err})") from err
-        return self.conns
-
-    def _submit(self, conns: list[RespProtocol], keys: Sequence[bytes], targets: Sequence[Target]) -> list[_Request]:
-        loop = asyncio.get_running_loop()
-        load = [c.load for c in conns]
-        batches: list[tuple[list[bytes], list[_Request]]] = [([], []) for _ in conns]
-        reqs = []
-        for key, target in zip(keys, targets):
-            j = min(range(len(conns)), key=load.__getitem__)
-            load[j] += 1
-            req = _Request(target, loop.create_future())
-            req.conn = conns[j]
-            batches[j][0].append(pack(b"GET", key))
-            batches[j][1].append(req)
-            reqs.append(req)
-        for conn, (payload, sent) in zip(conns, batches):
-            if sent:
-                try:
-                    conn.send(payload, sent)
-                except WireError as exc:
-                    for req in sent:
-                        req.future.set_exception(exc)
-        return reqs
-
-    async def fetch(
-        self, keys: Sequence[bytes], targets: Sequence[Target], *, timeout: float, retries: int = 2
-    ) -> list[int | Exception]:
-        """GET each key into its target. Per request: bytes written (or handed to the sink), MISS,
-        TOO_BIG, or its error: ReplyError (refused), WireProtocolError (a stream or handshake in doubt),
-        WireError (the node is down or slower than `timeout`, after `retries` reconnects). Requests that
-        completed keep their result; from the moment a request fails or is cancelled, nothing more of
-        its reply lands in its target."""
-        deadline = time.monotonic() + timeout
-        out: list[int | Exception] = [WireError("not sent")] * len(keys)
-        todo = list(range(len(keys)))
-        for attempt in range(retries + 1):
-            try:
-                conns = await asyncio.wait_for(self._ready(), max(deadline - time.monotonic(), 0))
-            except (WireError, TimeoutError) as exc:
-                err = exc if isinstance(exc, WireError) else WireError("connect timed out")
-                for i in todo:
-                    out[i] = err
-                return out
-            reqs = self._submit(conns, [keys[i] for i in todo], [targets[i] for i in todo])
-            try:
-                _, late = await asyncio.wait([r.future for r in reqs], timeout=max(deadline - time.monotonic(), 0))
-            except BaseException:  # cancelled: from now on its bytes are dropped
-                for req in reqs:
-                    req.cancel()
-                raise
-            for req in reqs:
-                if req.future in late:  # a node that slow is an outage: drop the connection holding it
-                    req.cancel()
-                    req.conn.abort(WireError("timed out"))  # type: ignore[union-attr]
-            again = []
-            for i, req in zip(todo, reqs):
-                exc = WireError(f"timed out after {timeout:.1f} s") if req.future in late else req.future.exception()
-                if type(exc) is WireError and attempt < retries and not late:
-                    again.append(i)  # dropped: GET is idempotent, ask again on a fresh connection
-                else:
-                    out[i] = exc if exc is not None else req.future.result()  # type: ignore[assignment]
-            if not (todo := again):
-                break
-            await asyncio.sleep(min(0.01 * 2**attempt, max(deadline - time.monotonic(), 0)))
-        return out
-
-    def close(self) -> None:
-        for conn in self.conns:
-            conn.abort(WireError("closed"))
-        self.conns = []

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from agentstate.backends import redis_wire as wire
 from agentstate.backends.redis import RedisBackend
+from agentstate.backends.redis_pool import NodePool
 
 from agentstate.errors import AgentStateError, BackendRefusedError
 from tests.redis_server import RedisCluster, RedisServer
@@ -93,7 +94,7 @@ async def test_concurrent_calls_share_the_pool_and_each_gets_its_own_bytes(backe
         assert all(bytes(b[:n]) == values[k] for k, b, n in zip(keys, bufs, got) if n)
 
     await asyncio.gather(*(one(s) for s in range(60)))
-    pools = list(backend._pools.values())
+    pools = list(backend._wire.pools.values())
     assert len(pools) == 1 and len(pools[0].conns) == 2  # 60 callers over two connections
 
 
@@ -111,7 +112,7 @@ async def test_an_error_reply_is_a_typed_refusal_never_bytes(backend: RedisBacke
     got = await backend.get_into(["c/hash", "c/ok", "c/list"], [view, memoryview(bytearray(64)), guarded(64)[1]])
     assert got == [0, 4, 0] and raw == bytearray([0xA5]) * (64 + GUARD)
     assert backend.counters()["refused"] == 2 and backend.trips == 0  # an answer, not an outage
-    pool = next(iter(backend._pools.values()))
+    pool = next(iter(backend._wire.pools.values()))
     out = await pool.fetch([backend._k("c/hash").encode()], [view], timeout=2.0)
     assert isinstance(out[0], wire.ReplyError) and isinstance(out[0], BackendRefusedError)
     assert out[0].reply.startswith("WRONGTYPE")
@@ -127,9 +128,9 @@ async def test_a_cluster_reads_from_every_node_and_redirects_fall_back_to_redis_
         bufs = [memoryview(bytearray(4000)) for _ in values]
         assert await b.get_into(list(values), bufs) == [len(v) for v in values.values()]
         assert all(bytes(buf[: len(v)]) == v for buf, v in zip(bufs, values.values()))
-        assert set(b._pools) == nodes
+        assert set(b._wire.pools) == nodes
 
-        route = b._route  # a stale slot map: every key sent to a node that does not own it (MOVED)
+        route = b._wire.route  # a stale slot map: every key sent to a node that does not own it (MOVED)
 
         def stale(keys: list[str]) -> dict[str, tuple[wire.WireConfig, list[int]]]:
             groups = route(keys)
@@ -137,7 +138,7 @@ async def test_a_cluster_reads_from_every_node_and_redirects_fall_back_to_redis_
             return {names[(j + 1) % len(names)]: (groups[names[(j + 1) % len(names)]][0], groups[n][1])
                     for j, n in enumerate(names)}  # fmt: skip
 
-        b._route = stale  # type: ignore[method-assign]
+        b._wire.route = stale  # type: ignore[method-assign]
         py_read, asked = b._py_read, []
 
         async def spy(keys: list[str], sink: Callable[[int, memoryview], None]) -> list[bool]:
@@ -205,7 +206,7 @@ async def test_a_password_in_the_url_is_sent_and_a_wrong_one_is_not_silent(tmp_p
     bad = RedisBackend(f"redis://:wrong@127.0.0.1:{server.port}/0", breaker_threshold=1)
     try:
         await good.put(["c/a"], [b"abc"])
-        assert await good.get_into(["c/a"], [memoryview(bytearray(8))]) == [3] and good._pools
+        assert await good.get_into(["c/a"], [memoryview(bytearray(8))]) == [3] and good._wire.pools
         assert await bad.get_into(["c/a"], [memoryview(bytearray(8))]) == [0]  # redis-py: an outage, counted
         assert bad.counters()["errors"] >= 1
     finally:
@@ -256,7 +257,7 @@ BROKEN = {
 @pytest.mark.parametrize("kind", sorted(BROKEN))
 async def test_a_reply_no_get_returns_fails_the_connection_never_writes_past_the_buffer(kind: str) -> None:
     server, port = await fake_server(lambda n: (BROKEN[kind] if n == 0 else b"$3\r\nabc\r\n", True))
-    pool = wire.NodePool(wire.WireConfig("127.0.0.1", port), 1)
+    pool = NodePool(wire.WireConfig("127.0.0.1", port), 1)
     try:
         raw, view = guarded(3)
         out = await pool.fetch([b"k"], [view], timeout=2.0, retries=0)
@@ -272,7 +273,7 @@ async def test_a_reply_no_get_returns_fails_the_connection_never_writes_past_the
 async def test_a_connection_dropped_mid_value_is_retried_then_an_outage(cut: int) -> None:
     value = os.urandom(100)
     server, port = await fake_server(lambda n: ((b"$100\r\n" + value)[:cut], False))
-    pool = wire.NodePool(wire.WireConfig("127.0.0.1", port), 2)
+    pool = NodePool(wire.WireConfig("127.0.0.1", port), 2)
     try:
         out = await pool.fetch([b"a", b"b"], [memoryview(bytearray(100)), memoryview(bytearray(100))],
                                timeout=2.0, retries=2)  # fmt: skip
@@ -285,7 +286,7 @@ async def test_a_connection_dropped_mid_value_is_retried_then_an_outage(cut: int
 async def test_an_error_reply_fails_only_its_request_and_a_cancelled_read_never_lands() -> None:
     replies = {0: b"-ERR boom\r\n", 1: b"$2\r\nok\r\n"}
     server, port = await fake_server(lambda n: (replies.get(n, b"$4\r\nlate\r\n"), True))
-    pool = wire.NodePool(wire.WireConfig("127.0.0.1", port), 1)
+    pool = NodePool(wire.WireConfig("127.0.0.1", port), 1)
     try:
         a, b = memoryview(bytearray(8)), memoryview(bytearray(8))
         out = await pool.fetch([b"x", b"y"], [a, b], timeout=2.0)

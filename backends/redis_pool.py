@@ -1,0 +1,229 @@
+"""Connections to Redis nodes for the tier's reads, and the routing of a batch's keys over them.
+
+Why a pool per node: one connection carries one reply at a time, so a few connections keep a
+node's single thread busy while the client is still landing the last value; and a cluster's keys
+go each to the node owning its slot, so a dead node costs only its own keys. What the wire client
+cannot settle (a MOVED or ASK, a stream it doubts, a refused handshake) goes back to redis-py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from agentstate.backends.redis_wire import (
+    MISS, TOO_BIG, ReplyError, RespProtocol, Target, WireConfig, WireError, WireProtocolError, Request, pack,
+)  # fmt: skip
+
+if TYPE_CHECKING:
+    from agentstate.backends.redis import RedisBackend
+
+log = logging.getLogger("agentstate.backends.redis")
+REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "MASTERDOWN", "READONLY")
+"""Error replies that are about where or when to ask, not about the key: redis-py's path handles them."""
+
+
+class NodePool:
+    """Up to `size` connections to one node, opened on first use and again after a drop; the requests
+    of each batch go to the least loaded ones, pipelined behind whatever they already carry."""
+
+    def __init__(self, config: WireConfig, size: int) -> None:
+        self.config, self.size = config, max(1, size)
+        self.conns: list[RespProtocol] = []
+        self._lock: asyncio.Lock | None = None
+
+    async def _open(self) -> RespProtocol:
+        cfg = self.config
+        _, proto = await asyncio.get_running_loop().create_connection(RespProtocol, cfg.host, cfg.port)
+        hello = []
+        if cfg.password is not None:
+            creds = (cfg.username, cfg.password) if cfg.username else (cfg.password,)
+            hello.append(pack(b"AUTH", *(c.encode() for c in creds)))
+        if cfg.db:
+            hello.append(pack(b"SELECT", str(cfg.db).encode()))
+        if hello:
+            loop = asyncio.get_running_loop()
+            reqs = [Request(None, loop.create_future(), status=True) for _ in hello]
+            proto.send(hello, reqs)
+            try:
+                await asyncio.gather(*(r.future for r in reqs))
+            except BaseException as exc:
+                proto.abort(WireError("handshake failed"))
+                if isinstance(exc, ReplyError):  # a wrong password, a db out of range: redis-py says why
+                    raise WireProtocolError(f"handshake refused: {exc.reply[:100]}") from None
+                raise
+        return proto
+
+    async def _ready(self) -> list[RespProtocol]:
+        self.conns = [c for c in self.conns if c.closed is None]
+        if len(self.conns) < self.size:
+            self._lock = self._lock or asyncio.Lock()
+            async with self._lock:
+                self.conns = [c for c in self.conns if c.closed is None]
+                got = await asyncio.gather(*(self._open() for _ in range(self.size - len(self.conns))),
+                                           return_exceptions=True)  # fmt: skip
+                self.conns += [c for c in got if isinstance(c, RespProtocol)]
+                if not self.conns:
+                    err = next(e for e in got if isinstance(e, BaseException))
+                    if isinstance(err, WireError | asyncio.CancelledError):
+                        raise err
+                    raise WireError(f"cannot connect ({type(err).__name__}: {err})") from err
+        return self.conns
+
+    def _submit(self, conns: list[RespProtocol], keys: Sequence[bytes], targets: Sequence[Target]) -> list[Request]:
+        loop = asyncio.get_running_loop()
+        load = [c.load for c in conns]
+        batches: list[tuple[list[bytes], list[Request]]] = [([], []) for _ in conns]
+        reqs = []
+        for key, target in zip(keys, targets):
+            j = min(range(len(conns)), key=load.__getitem__)
+            load[j] += 1
+            req = Request(target, loop.create_future())
+            req.conn = conns[j]
+            batches[j][0].append(pack(b"GET", key))
+            batches[j][1].append(req)
+            reqs.append(req)
+        for conn, (payload, sent) in zip(conns, batches):
+            if sent:
+                try:
+                    conn.send(payload, sent)
+                except WireError as exc:
+                    for req in sent:
+                        req.future.set_exception(exc)
+        return reqs
+
+    async def fetch(
+        self, keys: Sequence[bytes], targets: Sequence[Target], *, timeout: float, retries: int = 2
+    ) -> list[int | Exception]:
+        """GET each key into its target. Per request: bytes written (or handed to the sink), MISS,
+        TOO_BIG, or its error: ReplyError (refused), WireProtocolError (a stream or handshake in doubt),
+        WireError (the node is down or slower than `timeout`, after `retries` reconnects). Requests that
+        completed keep their result; from the moment a request fails or is cancelled, nothing more of
+        its reply lands in its target."""
+        deadline = time.monotonic() + timeout
+        out: list[int | Exception] = [WireError("not sent")] * len(keys)
+        todo = list(range(len(keys)))
+        for attempt in range(retries + 1):
+            try:
+                conns = await asyncio.wait_for(self._ready(), max(deadline - time.monotonic(), 0))
+            except (WireError, TimeoutError) as exc:
+                err = exc if isinstance(exc, WireError) else WireError("connect timed out")
+                for i in todo:
+                    out[i] = err
+                return out
+            reqs = self._submit(conns, [keys[i] for i in todo], [targets[i] for i in todo])
+            try:
+                _, late = await asyncio.wait([r.future for r in reqs], timeout=max(deadline - time.monotonic(), 0))
+            except BaseException:  # cancelled: from now on its bytes are dropped
+                for req in reqs:
+                    req.cancel()
+                raise
+            for req in reqs:
+                if req.future in late:  # a node that slow is an outage: drop the connection holding it
+                    req.cancel()
+                    req.conn.abort(WireError("timed out"))  # type: ignore[union-attr]
+            again = []
+            for i, req in zip(todo, reqs):
+                exc = WireError(f"timed out after {timeout:.1f} s") if req.future in late else req.future.exception()
+                if type(exc) is WireError and attempt < retries and not late:
+                    again.append(i)  # dropped: GET is idempotent, ask again on a fresh connection
+                else:
+                    out[i] = exc if exc is not None else req.future.result()  # type: ignore[assignment]
+            if not (todo := again):
+                break
+            await asyncio.sleep(min(0.01 * 2**attempt, max(deadline - time.monotonic(), 0)))
+        return out
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.abort(WireError("closed"))
+        self.conns = []
+
+
+class WireReader:
+    """The tier's reads over the wire client: one pool per node, each node behind its breaker."""
+
+    def __init__(self, backend: RedisBackend, config: WireConfig, connections: int, retries: int) -> None:
+        self.backend, self.config, self.connections, self.retries = backend, config, connections, retries
+        self.pools: dict[str, NodePool] = {}
+
+    def route(self, keys: Sequence[str]) -> dict[str, tuple[WireConfig, list[int]]]:
+        """The keys by the node that owns them (in a cluster, from redis-py's slot map)."""
+        b = self.backend
+        if not b.cluster:
+            return {b._server: (self.config, list(range(len(keys))))}
+        groups: dict[str, tuple[WireConfig, list[int]]] = {}
+        for i, key in enumerate(keys):
+            node = b._client.get_node_from_key(b._k(key))
+            cfg = WireConfig(node.host, int(node.port), self.config.username, self.config.password)
+            groups.setdefault(node.name, (cfg, []))[1].append(i)
+        return groups
+
+    async def read(self, keys: Sequence[str], targets: Sequence[Target]) -> list[int]:
+        """Each value into its target: bytes, MISS or TOO_BIG. A down node's keys are counted misses
+        (behind its breaker); keys the wire client cannot settle are read again through redis-py."""
+        b = self.backend
+        out = [MISS] * len(keys)
+        doubt: list[int] = []
+        try:
+            if b.cluster:
+                await b._client.initialize()  # the slot map (a no-op once known)
+            groups = self.route(keys)
+        except Exception:
+            groups, doubt = {}, list(range(len(keys)))  # no slot map: redis-py routes (and fails) it all
+
+        async def run(node: str, cfg: WireConfig, idx: list[int]) -> None:
+            breaker = b._breaker(node if b.cluster else None)
+            if breaker.open:
+                b._counts["errors"] += 1
+                return
+            pool = self.pools.get(node)
+            if pool is None or pool.config != cfg:
+                pool = self.pools[node] = NodePool(cfg, self.connections)
+            got = await pool.fetch([b._k(keys[i]).encode() for i in idx], [targets[i] for i in idx],
+                                   timeout=b.timeout_s, retries=self.retries)  # fmt: skip
+            if down := next((g for g in got if type(g) is WireError), None):
+                breaker.failure()  # down, or dropped again after every retry: its keys are misses
+                b._counts["errors"] += 1
+                log.warning("redis read from %s failed (%s)", node, down)
+            else:
+                breaker.success()
+            for i, g in zip(idx, got):
+                if isinstance(g, int):
+                    out[i] = g
+                elif type(g) is WireError:
+                    continue
+                elif isinstance(g, ReplyError) and not g.reply.startswith(REDIRECTS):
+                    b._counts["refused"] += 1  # e.g. WRONGTYPE: this key alone is refused, a miss
+                    log.warning("redis refused a read of %s: %s", keys[i], g.reply[:200])
+                elif isinstance(g, ReplyError | WireProtocolError):
+                    doubt.append(i)  # moved, resharding, or a stream we doubt: redis-py decides
+                else:
+                    raise g  # the caller's sink failed
+
+        await asyncio.gather(*(run(node, cfg, idx) for node, (cfg, idx) in groups.items()))
+        served = sum(n >= 0 for n in out)
+        b._counts.update(reads=served, misses=len(keys) - len(doubt) - served)
+        if doubt:
+            await b._py_read([keys[i] for i in doubt], lambda j, view: _deliver(targets, out, doubt[j], view))
+        return out
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+
+
+def _deliver(targets: Sequence[Target], out: list[int], i: int, view: memoryview) -> None:
+    """A value redis-py read, into its target as the wire client would have put it."""
+    target = targets[i]
+    if callable(target):
+        target(view)
+        out[i] = len(view)
+    elif len(view) <= len(target):
+        target[: len(view)] = view
+        out[i] = len(view)
+    else:
+        out[i] = TOO_BIG
