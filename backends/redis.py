@@ -25,7 +25,7 @@ from agentstate.backends import redis_wire as wire
 from agentstate.backends.base import Backend, BackendStats, ReadSink
 from agentstate.backends.redis_pool import WireReader
 
-from agentstate.errors import AgentStateError, BackendError, BackendRefusedError, CapacityError
+from agentstate.errors import AgentStateError, BackendError, BackendRefusedError, CapacityError, InvalidArgumentError
 
 log = logging.getLogger("agentstate.backends.redis")
 FAILED = object()  # a key whose call failed (its node was down), as opposed to a miss
@@ -282,6 +282,8 @@ class RedisBackend(Backend):
         if self._wire is None:
             return await super().get_into(keys, buffers)
         views = [_byte_view(b) for b in buffers]
+        if any(v.readonly for v in views):  # a caller's mistake, not an outage of the node
+            raise InvalidArgumentError("get_into needs writable buffers")
         return [max(n, 0) for n in await self._wire.read(keys, views)] if keys else []
 
     async def read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:

@@ -163,9 +163,10 @@ class RespProtocol(asyncio.BufferedProtocol):
         for req in pending:
             if not req.future.done():
                 req.future.set_exception(exc)
-        self._body, self._left, self._crlf = None, 0, False
+        self._body, self._left, self._crlf, self._direct = None, 0, False, False
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        self._direct = False  # a recv that failed never reached buffer_updated: decide afresh
         if self._left and self._body is not None:
             if not self.pending[0].cancelled:
                 self._direct = True

@@ -19,7 +19,7 @@ from agentstate.backends import redis_wire as wire
 from agentstate.backends.redis import RedisBackend
 from agentstate.backends.redis_pool import NodePool
 
-from agentstate.errors import AgentStateError, BackendRefusedError
+from agentstate.errors import AgentStateError, BackendRefusedError, InvalidArgumentError
 from tests.redis_server import RedisCluster, RedisServer
 
 GUARD = 4096
@@ -75,6 +75,8 @@ async def test_misses_hits_and_values_too_big_for_their_buffers_in_one_batch(bac
             assert bytes(view) == values[key]
         else:  # a miss or a value that does not fit: the buffer and its guard are untouched
             assert raw == bytearray([0xA5]) * (len(view) + GUARD)
+    with pytest.raises(InvalidArgumentError):  # a caller's mistake, never an outage of the node
+        await backend.get_into(keys[:1], [memoryview(b"read-only")])
     found = await backend.read(keys, lambda i, v: None)
     assert found == [not k.startswith("c/missing-") for k in keys]  # read has no buffers: every stored value
     counts = backend.counters()
