@@ -1,6 +1,6 @@
 """Remote tier: resume throughput from Redis against redis-benchmark, and a 32k-token restore.
 
-    python benchmarks/bench_remote.py [--quick]
+    python benchmarks/bench_remote.py [--quick] [--torch-threads N]
 
 Starts its own redis-server on a loopback port (as the tests do) and, in the same run:
 
@@ -19,6 +19,10 @@ Starts its own redis-server on a loopback port (as the tests do) and, in the sam
    2 KV heads, 64 dim, bf16; 384 MiB) on a host that has never seen it, from Redis, against the
    same session from LMDB on the host that wrote it (page cache warm, and cold after
    drop_caches when permitted).
+
+The client runs torch with one intra-op thread (--torch-threads): redis-server shares the machine,
+and torch's OpenMP workers spinning between copies take its core, which measures CPU contention
+rather than the tier (a store process next to an engine on its own cores would not see it).
 
 Results go to docs/benchmarks.md (section bench_remote); --quick prints only.
 """
@@ -233,7 +237,8 @@ def render(cmd: str, remote: dict[int, float], writes: dict[int, float], value: 
         BEGIN, "## Remote tier (issue 4)", "",
         f"`{cmd}` — {dt.date.today().isoformat()}, {os.cpu_count()} CPUs, redis-server "
         f"{subprocess.run(['redis-server', '--version'], capture_output=True, text=True).stdout.split()[2][2:]} "
-        f"on loopback, one node; {secs:.0f} s in all. GB = 1e9 bytes of KV.", "",
+        f"on loopback, one node, sharing the CPUs with this client (torch intra-op threads: "
+        f"{torch.get_num_threads()}); {secs:.0f} s in all. GB = 1e9 bytes of KV.", "",
         f"Resume of {SESSIONS} sessions on a host that has never seen them (no local tier: every chunk from "
         f"Redis; {value / 2**20:.2f} MiB values), vs redis-benchmark's GET throughput for the same value size "
         "on the same server, with as many clients as sessions in flight (the ratio is the figure), and vs plain "
@@ -274,7 +279,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--data-dir", type=Path, default=Path("/tmp/agentstate-bench-remote"))
+    ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads here; 0: torch's default")
     args = ap.parse_args()
+    if args.torch_threads:
+        # redis-server shares this machine: torch's OpenMP workers spin between the copies into the
+        # restore buffers and take the server's core (measured: reads 2-4x slower on 2 cores).
+        torch.set_num_threads(args.torch_threads)
     started = time.perf_counter()
     shutil.rmtree(args.data_dir, ignore_errors=True)
     args.data_dir.mkdir(parents=True)
@@ -297,6 +307,7 @@ def main() -> None:
         server.stop()
         shutil.rmtree(args.data_dir, ignore_errors=True)
     cmd = "python benchmarks/bench_remote.py" + (" --quick" if args.quick else "")
+    cmd += f" --torch-threads {args.torch_threads}" if args.torch_threads != 1 else ""
     section = render(cmd, remote, writes, value, peer, client, ttft, ttft_tokens, time.perf_counter() - started)
     print(section)
     if not args.quick:
