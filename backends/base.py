@@ -188,5 +188,9 @@ class Backend(ABC):
         await self.delete(present)
         return present
 
+    async def reclaim(self) -> None:
+        """Give back the space of deleted values now (gc calls it). Only tiers that delete by
+        marking (LMDB's value log) have anything to do; the others free space as they delete."""
+
     async def aclose(self) -> None:
         await self.close()

@@ -180,6 +180,9 @@ class CompressedBackend(Backend):
     async def delete_idle(self, keys: Sequence[str], idle_seconds: float) -> list[str]:
         return await self.inner.delete_idle(keys, idle_seconds)
 
+    async def reclaim(self) -> None:
+        await self.inner.reclaim()
+
     async def stats(self) -> BackendStats:
         """The inner tier's stats (bytes in compressed bytes), plus frames that failed a check as errors."""
         stats = await self.inner.stats()

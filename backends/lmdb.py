@@ -79,6 +79,7 @@ class _WriteOp:
     puts: list[tuple[bytes, bytes | bytearray | memoryview]] = field(default_factory=list)
     deletes: list[bytes] = field(default_factory=list)
     done: asyncio.Future[None] | None = None
+    reclaim: bool = False  # answered only after the reclaim pass that follows the commit
 
 
 class LMDBBackend(Backend):
@@ -152,6 +153,14 @@ class LMDBBackend(Backend):
             log.warning("LMDB at %s: the value log has no bytes for %r (%s)", self.path, key, pointer)
         return view
 
+    def _prefetch(self, txn: lmdb.Transaction, keys: Sequence[str]) -> None:
+        """Announce the value-log reads of a batch before the first one (see ValueLog.prefetch)."""
+        if self._ptrs is None or len(keys) < 2:
+            return
+        pointers = [p for k in keys if (raw := txn.get(k.encode(), db=self._ptrs)) and (p := Pointer.unpack(raw))]
+        if len(pointers) > 1:
+            self._log.prefetch(pointers)
+
     # -- reads ---------------------------------------------------------------------------------
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
@@ -181,6 +190,7 @@ class LMDBBackend(Backend):
         def run() -> list[bool]:
             found = []
             with self._env.begin(buffers=True) as txn:
+                self._prefetch(txn, keys)
                 for i, key in enumerate(keys):
                     value = self._value(txn, key.encode())
                     if value is not None:
@@ -254,6 +264,12 @@ class LMDBBackend(Backend):
     async def delete(self, keys: Sequence[str]) -> None:
         await self._submit(_WriteOp(deletes=[k.encode() for k in keys]))
 
+    async def reclaim(self) -> None:
+        """Through the writer (an empty commit; the value log's reclaim pass runs after it): crash
+        leftovers and segments emptied by deletes go, sparse ones are compacted."""
+        if self._ptrs is not None:
+            await self._submit(_WriteOp(reclaim=True))
+
     async def _submit(self, op: _WriteOp) -> None:
         if self._closed:
             raise BackendError("LMDB backend is closed")
@@ -275,14 +291,17 @@ class LMDBBackend(Backend):
                         op.done.set_exception(exc)  # type: ignore[union-attr]
                 continue
             for op in batch:
-                if not op.done.done():  # type: ignore[union-attr]
+                if not op.done.done() and not op.reclaim:  # type: ignore[union-attr]
                     op.done.set_result(None)  # type: ignore[union-attr]
             if self._ptrs is not None:
-                try:  # after the waiters are answered: space comes back off their path
+                try:  # after the writers are answered: space comes back off their path
                     await loop.run_in_executor(self._pool, self._reclaim)
-                except Exception as exc:  # noqa: BLE001 - reclaiming is retried after the next commit
+                except Exception as exc:  # noqa: BLE001 - nothing is lost; retried after the next commit
                     self._counts["errors"] += 1
                     log.warning("LMDB at %s: reclaiming value-log space failed: %s", self.path, exc)
+            for op in batch:  # reclaim() callers: their pass is done (or failed, logged and counted)
+                if not op.done.done():  # type: ignore[union-attr]
+                    op.done.set_result(None)  # type: ignore[union-attr]
 
     def _large(self, value: bytes | bytearray | memoryview) -> bool:
         return self.value_log_min_bytes is not None and self._ptrs is not None and len(value) >= self.value_log_min_bytes
@@ -332,7 +351,7 @@ class LMDBBackend(Backend):
             added: list[Pointer] = []
             dropped: list[Pointer] = []
 
-            def unlink(txn: lmdb.Transaction, key: bytes) -> None:
+            def unlink(txn: lmdb.Transaction, key: bytes, dropped: list[Pointer] = dropped) -> None:
                 if ptrs is not None and (old := txn.pop(key, db=ptrs)) is not None and (p := Pointer.unpack(old)):
                     dropped.append(p)
 
@@ -414,100 +433,6 @@ class LMDBBackend(Backend):
         self._log.dropped(old for old, _ in moved)
         self._counts["compactions"] += 1
         return sum(p.length for _, p in moving)
-
-    def _check_room(self, need: int) -> None:
-        """`max_map_size` bounds the tier: LMDB's pages in use and the value log's files together."""
-        assert self.max_map_size is not None
-        info, psize = self._env.info(), self._env.stat()["psize"]
-        used = (info["last_pgno"] + 1) * psize + self._log.file_bytes
-        if used + need > self.max_map_size:
-            self._counts["errors"] += 1
-            raise CapacityError(
-                f"LMDB at {self.path} is full at its limit of {self.max_map_size} bytes "
-                f"({used} used, {need} more to write)"
-            )
-
-    def _commit_txn(self, batch: list[_WriteOp], pointers: dict[int, Pointer]) -> tuple[list[Pointer], list[Pointer]]:
-        resized = False
-        ptrs = self._ptrs
-        while True:
-            added: list[Pointer] = []
-            dropped: list[Pointer] = []
-
-            def unlink(txn: lmdb.Transaction, key: bytes) -> None:
-                if ptrs is not None and (old := txn.pop(key, db=ptrs)) is not None and (p := Pointer.unpack(old)):
-                    dropped.append(p)
-
-            try:
-                with self._gate, self._env.begin(write=True) as txn:
-                    for op in batch:
-                        for key, value in op.puts:
-                            if not self._large(value):
-                                txn.put(key, value)
-                                unlink(txn, key)
-                            elif (pointer := pointers.get(id(value))) is not None:
-                                unlink(txn, key)
-                                txn.put(key, pointer.pack(), db=ptrs)
-                                txn.delete(key)
-                                added.append(pointer)
-                        for key in op.deletes:
-                            txn.delete(key)
-                            unlink(txn, key)
-                    if pointers:
-                        txn.put(_NEXT, str(self._log.next_segment).encode(), db=ptrs)
-            except lmdb.MapFullError:
-                self._grow()
-                continue
-            except lmdb.MapResizedError as exc:
-                if resized:
-                    self._counts["errors"] += 1
-                    raise BackendError(f"LMDB write at {self.path}: {exc}") from exc
-                resized = True
-                self._adopt_map_size()
-                continue
-            except lmdb.Error as exc:
-                self._counts["errors"] += 1
-                if disk_full(self.path, exc, sum(len(v) for op in batch for _, v in op.puts)):
-                    raise CapacityError(f"LMDB at {self.path}: the disk is full ({exc})") from exc
-                raise lmdb_error(exc, f"LMDB write at {self.path}") from exc
-            self._counts.update(writes=sum(len(op.puts) for op in batch), deletes=sum(len(op.deletes) for op in batch))
-            return added, dropped
-
-    def _reclaim(self) -> None:
-        """Remove segments no pointer names; copy forward the live values of one mostly dead one.
-
-        Removal waits for every read transaction of this process to end (the gate), so no view
-        of a removed segment is ever read. A copied value's pointer moves only if it still names
-        the old place (a delete in between wins); then the old segment holds nothing live."""
-        empty, sparse = self._log.reclaimable()
-        if sparse is not None:
-            with self._gate, self._env.begin(db=self._ptrs) as txn:
-                moving = [
-                    (bytes(k), p) for k, v in txn.cursor()
-                    if not k.startswith(_RESERVED) and (p := Pointer.unpack(v)) and p.segment == sparse
-                ]  # fmt: skip
-                views = [self._log.view(p) for _, p in moving]
-                if any(v is None for v in views):
-                    return  # a damaged segment is left for verify to report, not copied
-                copies = self._log.write(views)  # type: ignore[arg-type]
-                del views
-            moved: list[tuple[Pointer, Pointer]] = []
-            try:
-                with self._gate, self._env.begin(write=True, db=self._ptrs) as txn:
-                    for (key, old), new in zip(moving, copies):
-                        if Pointer.unpack(txn.get(key) or b"") == old:
-                            txn.put(key, new.pack())
-                            moved.append((old, new))
-                    txn.put(_NEXT, str(self._log.next_segment).encode())
-            except BaseException:
-                self._log.undo(copies)
-                raise
-            self._log.added(new for _, new in moved)
-            self._log.dropped(old for old, _ in moved)
-            self._counts["compactions"] += 1
-            empty, _ = self._log.reclaimable()
-        if empty:
-            self._gate.exclusive(lambda: self._log.remove(empty))
 
     def _grow(self) -> None:
         current = self._env.info()["map_size"]

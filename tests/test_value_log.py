@@ -206,3 +206,24 @@ async def test_the_size_limit_covers_the_value_log(tmp_path: Path) -> None:
     await b.close()
     total = sum(p.stat().st_size for p in segments(tmp_path / "db"))
     assert total <= 4 << 20
+
+
+async def test_leftovers_of_a_crash_are_removed_by_reclaim_and_live_segments_stay(tmp_path: Path) -> None:
+    """A writer killed after appending and before committing leaves a segment nothing names: the
+    next writer's reclaim (what gc calls) removes it; a read-only open touches nothing."""
+    want = {k: v for k, v in values(7).items() if len(v) >= MIN}
+    b = backend(tmp_path / "db")
+    await b.put(list(want), list(want.values()))
+    await b.close()
+    live = segments(tmp_path / "db")
+    leftover = tmp_path / "db" / "values" / "000000009999.seg"
+    leftover.write_bytes(os.urandom(3 * 4096))
+    b = backend(tmp_path / "db")
+    assert await read_all(b, list(want)) == want
+    assert leftover.exists()  # opening and reading remove nothing
+    await b.reclaim()
+    assert not leftover.exists() and segments(tmp_path / "db") == live
+    await b.put(["c/new"], [b"n" * MIN])  # a new segment takes a number past the leftover's
+    assert all(int(p.name[:-4]) > 9999 for p in segments(tmp_path / "db") if p not in live)
+    assert await read_all(b, [*want, "c/new"]) == {**want, "c/new": b"n" * MIN}
+    await b.close()

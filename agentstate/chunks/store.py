@@ -344,7 +344,14 @@ class ChunkStore:
         found = await self._local_keys(prefixes)
         removed = len(await self.collect([k for keys in found.values() for k in keys], refcounts))
         self._counts["gc_removed"] += removed
+        await self._reclaim()
         return removed
+
+    async def _reclaim(self) -> None:
+        """After gc's deletes: local durable tiers give back what they only marked deleted."""
+        for tier in self._manager.tiers:
+            if tier.backend.durable and not tier.backend.remote:
+                await tier.backend.reclaim()
 
     async def sweep_shared(self, prefixes: Sequence[str], live: set[str]) -> int:
         """gc under a shared catalog: what no manifest or prefix names goes from this host's tiers,
@@ -361,6 +368,7 @@ class ChunkStore:
                 await self._manager.delete(dead, [tier])
             removed += len(dead)
         self._counts["gc_removed"] += removed
+        await self._reclaim()
         return removed
 
     async def adopt(self, prefixes: Iterable[str]) -> None:
