@@ -275,6 +275,11 @@ class RedisBackend(Backend):
         return out
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
+        if self._wire is None or not keys:
+            return await self._py_exists(keys)
+        return await self._wire.exists(keys)
+
+    async def _py_exists(self, keys: Sequence[str]) -> list[bool]:
         got = await self._per_key(keys, lambda p, k: p.exists(k)) if keys else []
         return [v is not FAILED and bool(v) for v in got]  # an unreachable node holds nothing we can use
 

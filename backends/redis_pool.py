@@ -46,7 +46,7 @@ class NodePool:
             hello.append(pack(b"SELECT", str(cfg.db).encode()))
         if hello:
             loop = asyncio.get_running_loop()
-            reqs = [Request(None, loop.create_future(), status=True) for _ in hello]
+            reqs = [Request(None, loop.create_future(), b"+") for _ in hello]
             proto.send(hello, reqs)
             try:
                 await asyncio.gather(*(r.future for r in reqs))
@@ -73,17 +73,24 @@ class NodePool:
                     raise WireError(f"cannot connect ({type(err).__name__}: {err})") from err
         return self.conns
 
-    def _submit(self, conns: list[RespProtocol], keys: Sequence[bytes], targets: Sequence[Target]) -> list[Request]:
+    def _submit(
+        self, conns: list[RespProtocol], keys: Sequence[bytes], targets: Sequence[Target | None], command: bytes
+    ) -> list[Request]:
+        """Values spread over the least loaded connections; small replies (EXISTS) all on one, since
+        each connection used costs a write and a wakeup of its own."""
         loop = asyncio.get_running_loop()
         load = [c.load for c in conns]
         batches: list[tuple[list[bytes], list[Request]]] = [([], []) for _ in conns]
         reqs = []
+        spread = command == b"GET"
+        j = min(range(len(conns)), key=load.__getitem__)
         for key, target in zip(keys, targets):
-            j = min(range(len(conns)), key=load.__getitem__)
-            load[j] += 1
-            req = Request(target, loop.create_future())
+            if spread:
+                j = min(range(len(conns)), key=load.__getitem__)
+                load[j] += 1
+            req = Request(target, loop.create_future(), b"$" if command == b"GET" else b":")
             req.conn = conns[j]
-            batches[j][0].append(pack(b"GET", key))
+            batches[j][0].append(pack(command, key))
             batches[j][1].append(req)
             reqs.append(req)
         for conn, (payload, sent) in zip(conns, batches):
@@ -96,7 +103,8 @@ class NodePool:
         return reqs
 
     async def fetch(
-        self, keys: Sequence[bytes], targets: Sequence[Target], *, timeout: float, retries: int = 2
+        self, keys: Sequence[bytes], targets: Sequence[Target | None], *, timeout: float, retries: int = 2,
+        command: bytes = b"GET",
     ) -> list[int | Exception]:
         """GET each key into its target. Per request: bytes written (or handed to the sink), MISS,
         TOO_BIG, or its error: ReplyError (refused), WireProtocolError (a stream or handshake in doubt),
@@ -114,7 +122,7 @@ class NodePool:
                 for i in todo:
                     out[i] = err
                 return out
-            reqs = self._submit(conns, [keys[i] for i in todo], [targets[i] for i in todo])
+            reqs = self._submit(conns, [keys[i] for i in todo], [targets[i] for i in todo], command)
             try:
                 _, late = await asyncio.wait([r.future for r in reqs], timeout=max(deadline - time.monotonic(), 0))
             except BaseException:  # cancelled: from now on its bytes are dropped
@@ -162,18 +170,21 @@ class WireReader:
             groups.setdefault(node.name, (cfg, []))[1].append(i)
         return groups
 
-    async def read(self, keys: Sequence[str], targets: Sequence[Target]) -> list[int]:
-        """Each value into its target: bytes, MISS or TOO_BIG. A down node's keys are counted misses
-        (behind its breaker); keys the wire client cannot settle are read again through redis-py."""
+    async def _ask(
+        self, keys: Sequence[str], targets: Sequence[Target | None], command: bytes
+    ) -> tuple[list[int | None], list[int]]:
+        """`command` for each key on the node that owns it. Per key: its integer result (bytes, MISS or
+        TOO_BIG for GET; the count for EXISTS), or None where its node is down or refused it; and the
+        keys the wire client could not settle, for redis-py."""
         b = self.backend
-        out = [MISS] * len(keys)
+        out: list[int | None] = [None] * len(keys)
         doubt: list[int] = []
         try:
             if b.cluster:
                 await b._client.initialize()  # the slot map (a no-op once known)
             groups = self.route(keys)
         except Exception:
-            groups, doubt = {}, list(range(len(keys)))  # no slot map: redis-py routes (and fails) it all
+            return out, list(range(len(keys)))  # no slot map: redis-py routes (and fails) it all
 
         async def run(node: str, cfg: WireConfig, idx: list[int]) -> None:
             breaker = b._breaker(node if b.cluster else None)
@@ -184,11 +195,11 @@ class WireReader:
             if pool is None or pool.config != cfg:
                 pool = self.pools[node] = NodePool(cfg, self.connections)
             got = await pool.fetch([b._k(keys[i]).encode() for i in idx], [targets[i] for i in idx],
-                                   timeout=b.timeout_s, retries=self.retries)  # fmt: skip
+                                   timeout=b.timeout_s, retries=self.retries, command=command)  # fmt: skip
             if down := next((g for g in got if type(g) is WireError), None):
                 breaker.failure()  # down, or dropped again after every retry: its keys are misses
                 b._counts["errors"] += 1
-                log.warning("redis read from %s failed (%s)", node, down)
+                log.warning("redis %s on %s failed (%s)", command.decode(), node, down)
             else:
                 breaker.success()
             for i, g in zip(idx, got):
@@ -198,17 +209,37 @@ class WireReader:
                     continue
                 elif isinstance(g, ReplyError) and not g.reply.startswith(REDIRECTS):
                     b._counts["refused"] += 1  # e.g. WRONGTYPE: this key alone is refused, a miss
-                    log.warning("redis refused a read of %s: %s", keys[i], g.reply[:200])
+                    log.warning("redis refused %s of %s: %s", command.decode(), keys[i], g.reply[:200])
                 elif isinstance(g, ReplyError | WireProtocolError):
                     doubt.append(i)  # moved, resharding, or a stream we doubt: redis-py decides
                 else:
                     raise g  # the caller's sink failed
 
-        await asyncio.gather(*(run(node, cfg, idx) for node, (cfg, idx) in groups.items()))
+        if len(groups) == 1:  # one node (always, outside a cluster): no task to schedule
+            await run(*next((node, *group) for node, group in groups.items()))
+        else:
+            await asyncio.gather(*(run(node, cfg, idx) for node, (cfg, idx) in groups.items()))
+        return out, doubt
+
+    async def read(self, keys: Sequence[str], targets: Sequence[Target]) -> list[int]:
+        """Each value into its target: bytes, MISS or TOO_BIG. A down node's keys are counted misses
+        (behind its breaker); keys the wire client cannot settle are read again through redis-py."""
+        got, doubt = await self._ask(keys, targets, b"GET")
+        out = [MISS if n is None else n for n in got]
         served = sum(n >= 0 for n in out)
-        b._counts.update(reads=served, misses=len(keys) - len(doubt) - served)
+        self.backend._counts.update(reads=served, misses=len(keys) - len(doubt) - served)
         if doubt:
-            await b._py_read([keys[i] for i in doubt], lambda j, view: _deliver(targets, out, doubt[j], view))
+            sink = lambda j, view: _deliver(targets, out, doubt[j], view)  # noqa: E731
+            await self.backend._py_read([keys[i] for i in doubt], sink)
+        return out
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored; a down node holds nothing we can use."""
+        got, doubt = await self._ask(keys, [None] * len(keys), b"EXISTS")
+        out = [bool(n) for n in got]
+        if doubt:
+            for i, found in zip(doubt, await self.backend._py_exists([keys[i] for i in doubt])):
+                out[i] = found
         return out
 
     def close(self) -> None:

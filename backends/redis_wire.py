@@ -89,10 +89,11 @@ def pack(*args: bytes) -> bytes:
 class Request:
     """One command on a connection: where its value goes, and the future its caller awaits."""
 
-    __slots__ = ("target", "future", "status", "cancelled", "conn")
+    __slots__ = ("target", "future", "reply", "cancelled", "conn")
 
-    def __init__(self, target: Target | None, future: asyncio.Future[int], status: bool = False) -> None:
-        self.target, self.future, self.status, self.cancelled = target, future, status, False
+    def __init__(self, target: Target | None, future: asyncio.Future[int], reply: bytes = b"$") -> None:
+        """`reply`: the reply type this command returns: `$` a bulk string (GET), `+` a status, `:` an integer."""
+        self.target, self.future, self.reply, self.cancelled = target, future, reply, False
         self.conn: RespProtocol | None = None
 
     def cancel(self) -> None:
@@ -229,12 +230,15 @@ class RespProtocol(asyncio.BufferedProtocol):
         req, kind = self.pending[0], line[:1]
         if kind == b"-":
             self._finish(ReplyError(line[1:].decode("utf-8", "replace")))
-        elif req.status:
-            if kind != b"+":
-                raise WireProtocolError("not a status reply")
+        elif req.reply != kind:
+            raise WireProtocolError(f"a {kind!r} reply where {req.reply!r} belongs")
+        elif kind == b"+":
             self._finish(0)
-        elif kind != b"$":
-            raise WireProtocolError("not a bulk string reply")
+        elif kind == b":":
+            try:
+                self._finish(int(line[1:]))
+            except ValueError:
+                raise WireProtocolError("a bad integer") from None
         else:
             try:
                 n = int(line[1:])

@@ -79,6 +79,7 @@ async def test_misses_hits_and_values_too_big_for_their_buffers_in_one_batch(bac
         await backend.get_into(keys[:1], [memoryview(b"read-only")])
     found = await backend.read(keys, lambda i, v: None)
     assert found == [not k.startswith("c/missing-") for k in keys]  # read has no buffers: every stored value
+    assert await backend.exists(keys) == found  # EXISTS over the same connections
     counts = backend.counters()
     assert counts.get("errors", 0) == 0 and counts["misses"] >= 5
 
@@ -131,6 +132,7 @@ async def test_a_cluster_reads_from_every_node_and_redirects_fall_back_to_redis_
         assert await b.get_into(list(values), bufs) == [len(v) for v in values.values()]
         assert all(bytes(buf[: len(v)]) == v for buf, v in zip(bufs, values.values()))
         assert set(b._wire.pools) == nodes
+        assert await b.exists([*values, "c/none"]) == [True] * len(values) + [False]
 
         route = b._wire.route  # a stale slot map: every key sent to a node that does not own it (MOVED)
 
@@ -151,6 +153,7 @@ async def test_a_cluster_reads_from_every_node_and_redirects_fall_back_to_redis_
         bufs = [memoryview(bytearray(4000)) for _ in values]
         assert await b.get_into(list(values), bufs) == [len(v) for v in values.values()]
         assert sorted(asked) == sorted(values)  # every key was MOVED, and redis-py read it
+        assert await b.exists([*values, "c/none"]) == [True] * len(values) + [False]  # redis-py's EXISTS too
         assert all(bytes(buf[: len(v)]) == v for buf, v in zip(bufs, values.values()))
         assert b.counters().get("refused", 0) == 0  # MOVED is not a refusal: redis-py served them
     finally:
@@ -185,6 +188,7 @@ async def test_a_server_killed_or_hung_mid_read_is_a_counted_miss_within_the_tim
         assert found[killed[0]] and not all(found)
         assert b.breaker.open and b.counters()["errors"] == 2  # counted, and the breaker stops asking
         assert await b.get_into(keys[:1], [bufs[0][1]]) == [0]
+        assert await b.exists(keys[:1]) == [False]  # the breaker is open: nothing is asked
     finally:
         await b.close()
         server.stop()
