@@ -114,7 +114,8 @@ class RedisBackend(Backend):
         retries: int = 2,
         connections: int = 4,
     ) -> None:
-        """`connections`: wire connections per node for reads (a reply in flight on each; see redis_wire)."""
+        """`connections`: wire connections per node for GET and EXISTS (one large value in flight on each;
+        see redis_pool). `retries`: reconnects after a dropped connection, on either path."""
         import redis.asyncio as aioredis  # optional dependency: loaded only when this tier is chosen
         from redis.asyncio.retry import Retry
         from redis.backoff import ExponentialBackoff

@@ -111,6 +111,8 @@ class NodePool:
         WireError (the node is down or slower than `timeout`, after `retries` reconnects). Requests that
         completed keep their result; from the moment a request fails or is cancelled, nothing more of
         its reply lands in its target."""
+        if not keys:
+            return []
         deadline = time.monotonic() + timeout
         out: list[int | Exception] = [WireError("not sent")] * len(keys)
         todo = list(range(len(keys)))
