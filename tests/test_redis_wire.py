@@ -262,13 +262,17 @@ BROKEN = {
 
 @pytest.mark.parametrize("kind", sorted(BROKEN))
 async def test_a_reply_no_get_returns_fails_the_connection_never_writes_past_the_buffer(kind: str) -> None:
-    server, port = await fake_server(lambda n: (BROKEN[kind] if n == 0 else b"$3\r\nabc\r\n", True))
+    server, port = await fake_server(lambda n: (BROKEN[kind] if n % 2 == 0 else b"$3\r\nabc\r\n", True))
     pool = NodePool(wire.WireConfig("127.0.0.1", port), 1)
     try:
         raw, view = guarded(3)
         out = await pool.fetch([b"k"], [view], timeout=2.0, retries=0)
         assert isinstance(out[0], wire.WireProtocolError) and isinstance(out[0], AgentStateError)
         assert raw[3:] == bytearray([0xA5]) * GUARD
+        assert await pool.fetch([b"k"], [view], timeout=2.0) == [3] and bytes(view) == b"abc"  # a fresh connection
+        delivered: list[bytes] = []  # read's sinks: handed a value only once its reply is whole and well formed
+        out = await pool.fetch([b"k"], [lambda v: delivered.append(bytes(v))], timeout=2.0, retries=0)
+        assert isinstance(out[0], wire.WireProtocolError) and delivered == []
         assert await pool.fetch([b"k"], [view], timeout=2.0) == [3] and bytes(view) == b"abc"  # a fresh connection
     finally:
         pool.close()
@@ -281,9 +285,10 @@ async def test_a_connection_dropped_mid_value_is_retried_then_an_outage(cut: int
     server, port = await fake_server(lambda n: ((b"$100\r\n" + value)[:cut], False))
     pool = NodePool(wire.WireConfig("127.0.0.1", port), 2)
     try:
-        out = await pool.fetch([b"a", b"b"], [memoryview(bytearray(100)), memoryview(bytearray(100))],
+        delivered: list[bytes] = []
+        out = await pool.fetch([b"a", b"b"], [memoryview(bytearray(100)), lambda v: delivered.append(bytes(v))],
                                timeout=2.0, retries=2)  # fmt: skip
-        assert all(type(r) is wire.WireError for r in out)
+        assert all(type(r) is wire.WireError for r in out) and delivered == []  # an outage, never half a value
     finally:
         pool.close()
         server.close()
