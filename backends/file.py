@@ -56,6 +56,8 @@ _O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
 _O_READ = os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)  # a planted symlink is not followed
 _fdatasync: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)
 _FADV_DONTNEED: int | None = getattr(os, "POSIX_FADV_DONTNEED", None)
+_FADV_WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
+_READERS = 8  # files read at once, at least: measured here, 8 cold 8 MiB files in flight read ~1.25x faster than 4
 
 
 def _encode(key: str) -> str:
@@ -74,6 +76,27 @@ def _fill(fd: int, view: memoryview, offset: int, need: int) -> None:
         if n == 0:
             raise OSError(errno.EIO, "file ended early")
         done += n
+
+
+def _announce(paths: Sequence[str]) -> None:
+    """Ask the kernel to start reading every file of a batch now (POSIX_FADV_WILLNEED).
+
+    The reader threads take one file each, and a buffered read submits only its readahead window
+    before it blocks; announced first, the batch's files are all queued at the disk at once, which
+    is what it needs for its parallel read speed. Advice only: a file gone or refused is skipped
+    (its reader reports it).
+    """
+    for path in paths:
+        try:
+            fd = os.open(path, _O_READ)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, _FADV_WILLNEED)  # type: ignore[arg-type]
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def _fsync_dir(path: str) -> None:
@@ -128,10 +151,15 @@ def _byte_view(value: bytes | bytearray | memoryview) -> memoryview:
 class FileBackend(Pinnable, Backend):
     """Durable file-per-key tier: optional O_DIRECT reads, byte capacity with LRU eviction, pins.
 
-    `threads` bounds the files in flight (each read or write is one blocking call on the pool, which
-    releases the GIL). `o_direct=True` reads around the page cache, which on this machine is 2-3x
-    faster cold and 2-3x slower warm than buffered reads: use it under a host tier, which already
-    caches hot chunks. `sync=False` skips every fsync (tests, benchmarks); the tier is then not durable.
+    `threads` bounds the files written at once (each read or write is one blocking call on a pool,
+    which releases the GIL); reads run on a pool of `read_threads` (default: `threads`, at least 8),
+    because a disk reads at its parallel speed only with several files in flight, and a thread
+    blocked on a read costs no CPU. Buffered reads of a batch are first announced to the kernel
+    (POSIX_FADV_WILLNEED, on a thread of their own) so the whole batch is queued at the disk while
+    the readers copy; `announce = False` turns that off. `o_direct=True` reads around the page
+    cache: no copy out of it and no memory held, slower warm; use it under a host tier, which
+    already caches hot chunks. `sync=False` skips every fsync (tests, benchmarks); the tier is then
+    not durable.
     """
 
     name = "file"
@@ -145,11 +173,14 @@ class FileBackend(Pinnable, Backend):
         capacity_bytes: int | None = None,
         on_evict: EvictCallback | None = None,
         threads: int = 8,
+        read_threads: int | None = None,
         o_direct: bool = False,
         sync: bool = True,
     ) -> None:
         if capacity_bytes is not None and capacity_bytes < 0:
             raise InvalidArgumentError("capacity_bytes must be >= 0")
+        if threads < 1 or (read_threads is not None and read_threads < 1):
+            raise InvalidArgumentError("threads and read_threads must be >= 1")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._root = str(self.root.resolve())
@@ -158,7 +189,14 @@ class FileBackend(Pinnable, Backend):
         if o_direct and not _O_DIRECT:
             log.info("O_DIRECT does not exist on this platform; %s reads buffered", self._root)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agentstate-file")
-        self._staging = _Staging(keep=threads)
+        readers = read_threads if read_threads is not None else max(threads, _READERS)
+        self._readers = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="agentstate-file-read")
+        # One thread that announces each buffered read batch (WILLNEED) ahead of the readers, so that
+        # announcing never waits behind the reads it is meant to get in flight early.
+        self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentstate-file-ra")
+        self._announcing: set[asyncio.Future[None]] = set()
+        self.announce = _FADV_WILLNEED is not None
+        self._staging = _Staging(keep=readers)
         self._dirs: set[str] = set()  # shard directories whose own entries are known to be durable
         self._index: OrderedDict[str, int] = OrderedDict()
         self._pins: Counter[str] = Counter()
@@ -321,9 +359,11 @@ class FileBackend(Pinnable, Backend):
         while pending := {id(f): f for k in keys if (f := self._busy.get(k)) is not None}:
             await asyncio.gather(*pending.values())
 
-    async def _gather(self, fn: Callable[..., T], *arg_lists: Sequence[object]) -> list[T | BaseException]:
+    async def _gather(
+        self, fn: Callable[..., T], *arg_lists: Sequence[object], pool: ThreadPoolExecutor | None = None
+    ) -> list[T | BaseException]:
         loop = asyncio.get_running_loop()
-        calls = (loop.run_in_executor(self._pool, fn, *args) for args in zip(*arg_lists))
+        calls = (loop.run_in_executor(pool or self._pool, fn, *args) for args in zip(*arg_lists))
         return await asyncio.gather(*calls, return_exceptions=True)
 
     def _account_reads(self, keys: Sequence[str], results: Sequence[int | BaseException]) -> None:
@@ -335,6 +375,15 @@ class FileBackend(Pinnable, Backend):
             if isinstance(r, int) and r >= 0 and key in self._index:
                 self._index.move_to_end(key)
 
+    def _start_reads(self, locs: Sequence[Loc]) -> None:
+        """Announce a buffered batch's files on the announcer thread; the reads start without waiting."""
+        if self._direct or not self.announce or not locs:
+            return
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._announcer, _announce, [loc[1] for loc in locs])
+        self._announcing.add(fut)
+        fut.add_done_callback(self._announcing.discard)
+
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         self._check()
         return [key in self._index for key in keys]
@@ -342,7 +391,9 @@ class FileBackend(Pinnable, Backend):
     async def read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:
         self._check()
         n = len(keys)
-        results = await self._gather(self._load, [self._locate(k) for k in keys], [None] * n, range(n), [sink] * n)
+        locs = [self._locate(k) for k in keys]
+        self._start_reads(locs)
+        results = await self._gather(self._load, locs, [None] * n, range(n), [sink] * n, pool=self._readers)
         self._account_reads(keys, results)
         return [isinstance(r, int) and r >= 0 for r in results]
 
@@ -350,7 +401,9 @@ class FileBackend(Pinnable, Backend):
         self._check()
         if len(keys) != len(buffers):
             raise InvalidArgumentError("keys and buffers differ in length")
-        results = await self._gather(self._load, [self._locate(k) for k in keys], [_byte_view(b) for b in buffers])
+        locs = [self._locate(k) for k in keys]
+        self._start_reads(locs)
+        results = await self._gather(self._load, locs, [_byte_view(b) for b in buffers], pool=self._readers)
         self._account_reads(keys, results)
         return [r if isinstance(r, int) and r > 0 else 0 for r in results]
 
@@ -481,4 +534,6 @@ class FileBackend(Pinnable, Backend):
         while self._busy:
             await self._settle(list(self._busy))
         self._closed = True
+        self._announcer.shutdown(wait=True, cancel_futures=True)  # advice not yet given is dropped
+        self._readers.shutdown(wait=True)
         self._pool.shutdown(wait=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from agentstate.backends.file import FileBackend
 
-from agentstate.errors import CapacityError
+from agentstate.errors import CapacityError, InvalidArgumentError
 
 SIZES = [1, 4095, 4096, 4097, (1 << 20) + 3]
 ODD_KEYS = [
@@ -89,6 +89,45 @@ async def test_direct_reads_fall_back_when_refused(tmp_path: Path, monkeypatch: 
     assert await b.get_into(["c/a"], [buf]) == [10_001] and bytes(buf[:10_001]) == val
     assert not b._direct  # refused once, buffered from then on
     await b.close()
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+async def test_buffered_batches_are_announced_and_advice_never_fails_a_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, o_direct: bool
+) -> None:
+    """Each file of a buffered read batch gets a WILLNEED (so the disk has the batch in flight);
+    O_DIRECT reads skip it (it would only fill the page cache); a refused advice is no error."""
+    import agentstate.backends.file as mod
+
+    b = FileBackend(tmp_path / "f", o_direct=o_direct)
+    keys = [f"c/{i}" for i in range(5)]
+    vals = [os.urandom(9000 + i) for i in range(5)]
+    await b.put(keys, vals)
+    advised: list[int] = []
+
+    def refusing_fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == mod._FADV_WILLNEED:
+            advised.append(os.fstat(fd).st_size)
+            raise OSError(22, "advice refused")
+
+    monkeypatch.setattr(mod.os, "posix_fadvise", refusing_fadvise)
+    bufs = [memoryview(bytearray(10_000)) for _ in keys]
+    assert await b.get_into(keys, bufs) == [len(v) for v in vals]
+    seen: dict[int, bytes] = {}
+    assert await b.read(keys + ["c/none"], lambda i, v: seen.__setitem__(i, bytes(v))) == [True] * 5 + [False]
+    await asyncio.gather(*list(b._announcing))
+    assert [bytes(buf[: len(v)]) for buf, v in zip(bufs, vals)] == vals and [seen[i] for i in range(5)] == vals
+    if not o_direct:
+        assert sorted(advised) == sorted(2 * [len(v) for v in vals])
+    elif b._direct:  # O_DIRECT held (a filesystem that refuses it reads buffered, announced)
+        assert advised == []
+    assert (await b.stats()).errors == 0
+    await b.close()
+
+
+def test_thread_counts_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError):
+        FileBackend(tmp_path / "f", read_threads=0)
 
 
 async def test_reused_read_buffers_hand_each_sink_call_the_right_bytes(tmp_path: Path) -> None:
