@@ -237,14 +237,22 @@ class Transfer:
         def encode(run: list[int]) -> list[Value]:
             return [codec.encode(chunks[i], self.fingerprint, key=keys[i], out=host_buffer(sizes[i])) for i in run]
 
-        def job(run: list[int]) -> Callable[[], Awaitable[None]]:
-            async def go() -> None:
-                values = await loop.run_in_executor(self.pool, encode, run)
-                await self.manager.store([keys[i] for i in run], values, durable=durable)
+        def encoder(run: list[int]) -> Callable[[], Awaitable[list[Value]]]:
+            return lambda: loop.run_in_executor(self.pool, encode, run)
 
-            return go
+        async def job(run: list[int]) -> None:
+            # The IO engine bounds the encodes in flight, not the writes: a batch waiting for its
+            # group commit must not keep the next one from encoding.
+            values = await self.io.run(encoder(run))
+            await self.manager.store([keys[i] for i in run], values, durable=durable)
 
-        await self.io.gather([job(run) for run in batches(sizes, self.batch_bytes)])
+        jobs = [asyncio.ensure_future(job(run)) for run in batches(sizes, self.batch_bytes)]
+        try:
+            await asyncio.gather(*jobs)
+        except BaseException:
+            for pending in jobs:
+                pending.cancel()
+            raise
         self.counts["bytes_written"] += sum(sizes)
         return sum(sizes)
 
