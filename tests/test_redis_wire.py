@@ -162,16 +162,17 @@ async def test_a_cluster_reads_from_every_node_and_redirects_fall_back_to_redis_
 
 async def test_a_server_killed_or_hung_mid_read_is_a_counted_miss_within_the_timeout(tmp_path: Path) -> None:
     server = RedisServer(tmp_path).start()
-    b = RedisBackend(server.url, timeout_s=0.5, breaker_threshold=2, breaker_cooldown_s=60, retries=1)
+    # One connection: at most its first window (8 GETs) is answered before the kill, of 24.
+    b = RedisBackend(server.url, timeout_s=0.5, breaker_threshold=2, breaker_cooldown_s=60, retries=1, connections=1)
     try:
-        values = [os.urandom(1 << 20) for _ in range(12)]
-        keys = [f"c/{i}" for i in range(12)]
+        values = [os.urandom(1 << 20) for _ in range(24)]
+        keys = [f"c/{i}" for i in range(24)]
         await b.put(keys, values)
         assert server.proc is not None
         os.kill(server.proc.pid, signal.SIGSTOP)  # hung: the call gives up at its timeout
         bufs = [guarded(1 << 20) for _ in keys]
         got = await asyncio.wait_for(b.get_into(keys, [v for _, v in bufs]), 10)  # a hang guard, not a figure
-        assert got == [0] * 12 and b.counters()["errors"] == 1
+        assert got == [0] * 24 and b.counters()["errors"] == 1
         os.kill(server.proc.pid, signal.SIGCONT)  # its replies now arrive: dropped, never written
         await asyncio.sleep(0.2)
         assert all(raw == bytearray([0xA5]) * len(raw) for raw, _ in bufs)
