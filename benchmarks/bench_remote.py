@@ -13,7 +13,8 @@ Starts its own redis-server on a loopback port (as the tests do) and, in the sam
    machine can move.
 2. Writes the same way: hosts with only the Redis tier (and the catalog in Redis) snapshot the
    same amount of KV under fresh token ids (every chunk a new key), 1, 8 or 64 sessions at a
-   time, against redis-benchmark's SET throughput from the same run (same value size, clients).
+   time, against redis-benchmark's SET throughput (same value size, clients). Each redis-benchmark
+   figure is taken right after our pass at that concurrency: on a shared machine load drifts.
    They use database 1, emptied after each pass, so the read data set stays as it was.
 3. TTFT-style: the time to restore one 32k-token session (a Qwen2-0.5B-shaped model: 24 layers,
    2 KV heads, 64 dim, bf16; 384 MiB) on a host that has never seen it, from Redis, against the
@@ -37,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -75,12 +77,14 @@ def drop_caches() -> bool:
         return False
 
 
-def redis_benchmark(port: int, value: int, clients: int, requests: int) -> dict[str, float]:
-    """GB/s of redis-benchmark's SETs and GETs of `value`-byte values (its own C client, pipelining off)."""
+def redis_benchmark(port: int, value: int, clients: int, requests: int, tests: str = "set,get") -> dict[str, float]:
+    """GB/s of redis-benchmark's SETs and GETs of `value`-byte values (its own C client, pipelining off).
+    Run right after our pass at the same concurrency: on a shared machine the load drifts between
+    passes, and the ratio should compare the two under the same conditions."""
     if shutil.which("redis-benchmark") is None:
         return {}
     out = subprocess.run(
-        ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(value),
+        ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", tests, "-d", str(value),
          "-n", str(requests), "-c", str(clients), "--csv"],
         capture_output=True, text=True, timeout=600, check=True,
     ).stdout  # fmt: skip
@@ -136,7 +140,13 @@ async def resume_pass(store: StateStore, sids: list[str], bufs: list[torch.Tenso
     return time.perf_counter() - t
 
 
-async def bench_sessions(root: Path, url: str, total: int, reps: int) -> tuple[dict[int, float], int]:
+Peer = Callable[[int, str], dict[str, float]]
+"""redis-benchmark at a concurrency, for the given tests (`set,get` or `set`)."""
+
+
+async def bench_sessions(
+    root: Path, url: str, total: int, reps: int, peer: Peer
+) -> tuple[dict[int, float], dict[int, float | None]]:
     tokens_each = total // SESSIONS // SPEC.token_bytes // CHUNK * CHUNK
     g = torch.Generator().manual_seed(0)
     kvs = [torch.randn(SPEC.kv_shape(tokens_each), generator=g).to(torch.bfloat16) for _ in range(2)]
@@ -151,6 +161,7 @@ async def bench_sessions(root: Path, url: str, total: int, reps: int) -> tuple[d
     for b in bufs:
         b.view(torch.uint8).fill_(0)
     out: dict[int, float] = {}
+    theirs: dict[int, float | None] = {}
     for conc in CONCURRENCY:
         times = []
         for r in range(reps):
@@ -160,13 +171,16 @@ async def bench_sessions(root: Path, url: str, total: int, reps: int) -> tuple[d
             ) as b:
                 times.append(await resume_pass(b, sids, bufs, conc))
         out[conc] = nbytes / GB / float(np.median(times))
-        log(f"remote resume x{conc}: {out[conc]:.2f} GB/s")
+        theirs[conc] = peer(conc, "set,get").get("GET")
+        log(f"remote resume x{conc}: {out[conc]:.2f} GB/s; redis-benchmark GET {theirs[conc] or 0:.2f} GB/s")
     for j in range(2):
         assert bufs[j].view(torch.uint8).equal(kvs[j % 2].view(torch.uint8)), "restored bytes differ"
-    return out, SPEC.token_bytes * CHUNK + HEADER
+    return out, theirs
 
 
-async def bench_writes(root: Path, url: str, total: int, reps: int) -> dict[int, float]:
+async def bench_writes(
+    root: Path, url: str, total: int, reps: int, peer: Peer
+) -> tuple[dict[int, float], dict[int, float | None]]:
     """GB/s of KV snapshotted into Redis (the only tier) with `conc` sessions in flight, on database 1."""
     import redis.asyncio as aioredis
 
@@ -177,6 +191,7 @@ async def bench_writes(root: Path, url: str, total: int, reps: int) -> dict[int,
     admin = aioredis.Redis.from_url(url1)
     nbytes = SESSIONS * tokens_each * SPEC.token_bytes
     out: dict[int, float] = {}
+    theirs: dict[int, float | None] = {}
     for conc in CONCURRENCY:
         times = []
         for r in range(reps):
@@ -191,9 +206,10 @@ async def bench_writes(root: Path, url: str, total: int, reps: int) -> dict[int,
                 times.append(time.perf_counter() - t)
             await admin.flushdb()
         out[conc] = nbytes / GB / float(np.median(times))
-        log(f"remote snapshot x{conc}: {out[conc]:.2f} GB/s")
+        theirs[conc] = peer(conc, "set").get("SET")
+        log(f"remote snapshot x{conc}: {out[conc]:.2f} GB/s; redis-benchmark SET {theirs[conc] or 0:.2f} GB/s")
     await admin.aclose()
-    return out
+    return out, theirs
 
 
 async def bench_ttft(root: Path, url: str, tokens: int, reps: int) -> dict[str, float]:
@@ -231,8 +247,9 @@ def ratio(ours: float, theirs: float | None) -> str:
     return f"{theirs:.2f} | {ours / theirs:.0%}" if theirs else "n/a | "
 
 
-def render(cmd: str, remote: dict[int, float], writes: dict[int, float], value: int, peer: dict[int, dict[str, float]],
-           client: dict[int, float], ttft: dict[str, float], ttft_tokens: int, secs: float) -> str:  # fmt: skip
+def render(cmd: str, remote: dict[int, float], writes: dict[int, float], value: int, peer_get: dict[int, float | None],
+           peer_set: dict[int, float | None], client: dict[int, float], ttft: dict[str, float], ttft_tokens: int,
+           secs: float) -> str:  # fmt: skip
     lines = [
         BEGIN, "## Remote tier (issue 4)", "",
         f"`{cmd}` — {dt.date.today().isoformat()}, {os.cpu_count()} CPUs, redis-server "
@@ -241,22 +258,24 @@ def render(cmd: str, remote: dict[int, float], writes: dict[int, float], value: 
         f"{torch.get_num_threads()}); {secs:.0f} s in all. GB = 1e9 bytes of KV.", "",
         f"Resume of {SESSIONS} sessions on a host that has never seen them (no local tier: every chunk from "
         f"Redis; {value / 2**20:.2f} MiB values), vs redis-benchmark's GET throughput for the same value size "
-        "on the same server, with as many clients as sessions in flight (the ratio is the figure), and vs plain "
+        "on the same server, with as many clients as sessions in flight, run right after our pass at that "
+        "concurrency (the ratio is the figure), and vs plain "
         "redis-py pipelined MGETs of the same chunks, the Python client's own ceiling:", "",
         "| sessions in flight | ours GB/s | redis-benchmark GET GB/s | ours / redis-benchmark | redis-py GB/s | ours / redis-py |",
         "|---:|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
     for conc in CONCURRENCY:
-        bench = ratio(remote[conc], peer[conc].get("GET"))
+        bench = ratio(remote[conc], peer_get[conc])
         lines.append(
             f"| {conc} | {remote[conc]:.2f} | {bench} | {client[conc]:.2f} | {remote[conc] / client[conc]:.0%} |"
         )
-    lines += ["", "Snapshots of the same amount of KV (every chunk a new key) by hosts whose only tier is Redis, vs "
-              "redis-benchmark's SET throughput from the same run (same value size, as many clients as sessions):", "",
+    lines += ["", "Snapshots of the same amount of KV (every chunk a new key) by hosts whose only tier is Redis, "
+              "vs redis-benchmark's SET throughput run right after each pass (same value size, as many clients "
+              "as sessions):", "",
               "| sessions in flight | ours GB/s | redis-benchmark SET GB/s | ours / redis-benchmark |",
               "|---:|---:|---:|---:|"]  # fmt: skip
     for conc in CONCURRENCY:
-        lines.append(f"| {conc} | {writes[conc]:.2f} | {ratio(writes[conc], peer[conc].get('SET'))} |")
+        lines.append(f"| {conc} | {writes[conc]:.2f} | {ratio(writes[conc], peer_set[conc])} |")
     lines += ["", f"Restoring one {ttft_tokens // 1024}k-token session ({TTFT_SPEC.token_bytes * ttft_tokens / 2**20:.0f} MiB, "
               f"{TTFT_SPEC.model_id}), median wall time of `resume(into=)`:", "", "| from | ms | GB/s |", "|---|---:|---:|"]  # fmt: skip
     for k, v in ttft.items():
@@ -292,12 +311,11 @@ def main() -> None:
     try:
         total = (256 << 20) if args.quick else (1 << 30)
         reps = 1 if args.quick else 3
-        remote, value = asyncio.run(bench_sessions(args.data_dir, server.url, total, reps))
+        value = SPEC.token_bytes * CHUNK + HEADER
         requests = max(64, total // value)
-        peer = {c: redis_benchmark(server.port, value, c, requests) for c in CONCURRENCY}
-        for c, p in peer.items():
-            log(f"redis-benchmark x{c}: " + (", ".join(f"{k} {v:.2f} GB/s" for k, v in p.items()) or "missing"))
-        writes = asyncio.run(bench_writes(args.data_dir, server.url, total, reps))
+        peer: Peer = lambda c, tests: redis_benchmark(server.port, value, c, requests, tests)  # noqa: E731
+        remote, peer_get = asyncio.run(bench_sessions(args.data_dir, server.url, total, reps, peer))
+        writes, peer_set = asyncio.run(bench_writes(args.data_dir, server.url, total, reps, peer))
         client = {c: asyncio.run(redis_py_get(server.url, c, reps)) for c in CONCURRENCY}
         for c, p in client.items():
             log(f"redis-py GET x{c}: {p:.2f} GB/s")
@@ -308,7 +326,8 @@ def main() -> None:
         shutil.rmtree(args.data_dir, ignore_errors=True)
     cmd = "python benchmarks/bench_remote.py" + (" --quick" if args.quick else "")
     cmd += f" --torch-threads {args.torch_threads}" if args.torch_threads != 1 else ""
-    section = render(cmd, remote, writes, value, peer, client, ttft, ttft_tokens, time.perf_counter() - started)
+    section = render(cmd, remote, writes, value, peer_get, peer_set, client, ttft, ttft_tokens,
+                     time.perf_counter() - started)
     print(section)
     if not args.quick:
         write_doc(section)
