@@ -313,7 +313,7 @@ class LMDBBackend(Backend):
         large = [(key, value) for op in batch for key, value in op.puts if self._large(value)]
         if large:
             with self._gate, self._env.begin(db=self._ptrs) as txn:  # values are immutable: keep a stored one
-                large = [(k, v) for k, v in large if k in deleted or txn.get(k) is None]
+                large = [(k, v) for k, v in large if k in deleted or not self._readable(txn.get(k))]
         if large and self.max_map_size is not None:
             self._check_room(sum(len(v) for _, v in large))
         try:
@@ -331,6 +331,12 @@ class LMDBBackend(Backend):
             raise
         self._log.added(added)
         self._log.dropped(dropped)
+
+    def _readable(self, raw: bytes | None) -> bool:
+        """Whether a pointer record names bytes that are there: a put over a damaged or dangling
+        pointer (its segment cut or removed) must write the value again, not keep the pointer."""
+        pointer = Pointer.unpack(raw) if raw is not None else None
+        return pointer is not None and self._log.valid(pointer)
 
     def _check_room(self, need: int) -> None:
         """`max_map_size` bounds the tier: LMDB's pages in use and the value log's files together."""

@@ -146,6 +146,11 @@ async def test_damaged_segments_and_pointers_are_misses_never_a_signal(tmp_path:
         assert not got, f"{how}: every damaged value is a miss"
     await b.put(["c/after"], [b"z" * MIN])  # the tier keeps working
     assert await read_all(b, ["c/after"]) == {"c/after": b"z" * MIN}
+    await b.put(list(want), list(want.values()))  # storing the same values again repairs every one
+    assert await read_all(b, list(want)) == want
+    await b.close()
+    b = backend(tmp_path / "db", segment_bytes=64 << 20)
+    assert await read_all(b, list(want)) == want
     await b.close()
 
 
@@ -227,3 +232,30 @@ async def test_leftovers_of_a_crash_are_removed_by_reclaim_and_live_segments_sta
     assert all(int(p.name[:-4]) > 9999 for p in segments(tmp_path / "db") if p not in live)
     assert await read_all(b, [*want, "c/new"]) == {**want, "c/new": b"n" * MIN}
     await b.close()
+
+
+@pytest.mark.parametrize("how", ["removed", "cut", "replaced"])
+async def test_a_store_over_a_damaged_log_reports_resumes_a_prefix_and_repairs(tmp_path: Path, how: str) -> None:
+    """What an operator would see: verify names the damage and the sessions it costs, a resume gets
+    the verified prefix bit for bit, and the next snapshot of the same content makes it whole."""
+    from agentstate.ops.verify import verify
+
+    data = tmp_path / "data"
+    cfg = StoreConfig(path=data, tiers=[TierConfig(kind="lmdb", path=Path("chunks"))], chunk_tokens=64,
+                      lmdb_map_size=64 << 20, lmdb_value_log_min_bytes=MIN)  # fmt: skip
+    tokens, kv = random_tokens(64 * 8 + 5, seed=8), random_kv(SPEC4, 64 * 8 + 5, seed=8)
+    async with StateStore.open(cfg, SPEC4) as store:
+        await store.snapshot("s", tokens, kv)
+    damage_segment(data / "chunks", how)
+    async with StateStore.open(cfg, SPEC4) as store:
+        report = await verify(store)
+        assert not report.clean and [a.session_id for a in report.affected] == ["s"]
+        result = await store.resume("s")
+        assert result.restored_tokens < len(tokens)
+        assert bits_equal(result.kv[:, :, : result.restored_tokens], kv[:, :, : result.restored_tokens])
+        await verify(store, repair=True)
+        await store.snapshot("s", tokens, kv)
+        assert (await verify(store)).clean
+    async with StateStore.open(cfg, SPEC4) as store:
+        result = await store.resume("s")
+        assert result.complete and bits_equal(result.kv, kv)
