@@ -121,6 +121,26 @@ async def test_an_error_reply_is_a_typed_refusal_never_bytes(backend: RedisBacke
     assert out[0].reply.startswith("WRONGTYPE")
 
 
+async def test_connections_killed_between_reads_are_reopened_within_the_call(
+    backend: RedisBackend, redis_server: RedisServer
+) -> None:
+    import redis.asyncio as aioredis
+
+    values = [os.urandom(300_000) for _ in range(6)]
+    keys = [f"c/{i}" for i in range(6)]
+    await backend.put(keys, values)
+    bufs = [memoryview(bytearray(300_000)) for _ in keys]
+    assert await backend.get_into(keys, bufs) == [300_000] * 6
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await admin.client_kill_filter(_type="normal", skipme=True)  # the pool's connections among them
+    finally:
+        await admin.aclose()
+    bufs = [memoryview(bytearray(300_000)) for _ in keys]
+    assert await backend.get_into(keys, bufs) == [300_000] * 6 and [bytes(b) for b in bufs] == values
+    assert backend.trips == 0 and backend.counters().get("errors", 0) == 0  # retried inside the call
+
+
 async def test_a_cluster_reads_from_every_node_and_redirects_fall_back_to_redis_py(redis_cluster: RedisCluster) -> None:
     b = RedisBackend(redis_cluster.url, cluster=True, prefix="wire-cluster:")
     try:
