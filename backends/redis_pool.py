@@ -15,7 +15,16 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from agentstate.backends.redis_wire import (
-    MISS, TOO_BIG, ReplyError, RespProtocol, Target, WireConfig, WireError, WireProtocolError, Request, pack,
+    MISS,
+    TOO_BIG,
+    ReplyError,
+    Request,
+    RespProtocol,
+    Target,
+    WireConfig,
+    WireError,
+    WireProtocolError,
+    pack,
 )  # fmt: skip
 
 if TYPE_CHECKING:
@@ -103,7 +112,12 @@ class NodePool:
         return reqs
 
     async def fetch(
-        self, keys: Sequence[bytes], targets: Sequence[Target | None], *, timeout: float, retries: int = 2,
+        self,
+        keys: Sequence[bytes],
+        targets: Sequence[Target | None],
+        *,
+        timeout: float,
+        retries: int = 2,
         command: bytes = b"GET",
     ) -> list[int | Exception]:
         """GET each key into its target. Per request: bytes written (or handed to the sink), MISS,
@@ -137,11 +151,11 @@ class NodePool:
                     req.conn.abort(WireError("timed out"))  # type: ignore[union-attr]
             again = []
             for i, req in zip(todo, reqs):
-                exc = WireError(f"timed out after {timeout:.1f} s") if req.future in late else req.future.exception()
-                if type(exc) is WireError and attempt < retries and not late:
+                failed = WireError(f"timed out after {timeout:.1f} s") if req.future in late else req.future.exception()
+                if type(failed) is WireError and attempt < retries and not late:
                     again.append(i)  # dropped: GET is idempotent, ask again on a fresh connection
                 else:
-                    out[i] = exc if exc is not None else req.future.result()  # type: ignore[assignment]
+                    out[i] = req.future.result() if failed is None else failed  # type: ignore[assignment]
             if not (todo := again):
                 break
             await asyncio.sleep(min(0.01 * 2**attempt, max(deadline - time.monotonic(), 0)))
@@ -185,7 +199,7 @@ class WireReader:
             if b.cluster:
                 await b._client.initialize()  # the slot map (a no-op once known)
             groups = self.route(keys)
-        except Exception:
+        except b._errors:  # any failure of redis-py's, as on its own path
             return out, list(range(len(keys)))  # no slot map: redis-py routes (and fails) it all
 
         async def run(node: str, cfg: WireConfig, idx: list[int]) -> None:
@@ -231,7 +245,7 @@ class WireReader:
         served = sum(n >= 0 for n in out)
         self.backend._counts.update(reads=served, misses=len(keys) - len(doubt) - served)
         if doubt:
-            sink = lambda j, view: _deliver(targets, out, doubt[j], view)  # noqa: E731
+            sink = lambda j, view: _deliver(targets, out, doubt[j], view)
             await self.backend._py_read([keys[i] for i in doubt], sink)
         return out
 

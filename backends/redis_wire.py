@@ -17,9 +17,8 @@ request whose caller gave up (timeout, cancel) never writes into its destination
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -89,7 +88,7 @@ def pack(*args: bytes) -> bytes:
 class Request:
     """One command on a connection: where its value goes, and the future its caller awaits."""
 
-    __slots__ = ("target", "future", "reply", "cancelled", "conn")
+    __slots__ = ("cancelled", "conn", "future", "reply", "target")
 
     def __init__(self, target: Target | None, future: asyncio.Future[int], reply: bytes = b"$") -> None:
         """`reply`: the reply type this command returns: `$` a bulk string (GET), `+` a status, `:` an integer."""
@@ -265,7 +264,7 @@ class RespProtocol(asyncio.BufferedProtocol):
         if callable(req.target) and body is not None and not req.cancelled:
             try:
                 req.target(body)
-            except Exception as exc:  # the caller's sink failed: its request fails, the stream is fine
+            except Exception as exc:  # noqa: BLE001  # the caller's sink failed: its request fails, the stream is fine
                 return self._finish(exc)
         self._finish(self._result)
 

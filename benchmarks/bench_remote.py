@@ -269,9 +269,9 @@ def render(cmd: str, remote: dict[int, float], writes: dict[int, float], value: 
         lines.append(
             f"| {conc} | {remote[conc]:.2f} | {bench} | {client[conc]:.2f} | {remote[conc] / client[conc]:.0%} |"
         )
-    lines += ["", "Snapshots of the same amount of KV (every chunk a new key) by hosts whose only tier is Redis, "
-              "vs redis-benchmark's SET throughput run right after each pass (same value size, as many clients "
-              "as sessions):", "",
+    lines += ["", ("Snapshots of the same amount of KV (every chunk a new key) by hosts whose only tier is Redis, "
+                   "vs redis-benchmark's SET throughput run right after each pass (same value size, as many "
+                   "clients as sessions):"), "",
               "| sessions in flight | ours GB/s | redis-benchmark SET GB/s | ours / redis-benchmark |",
               "|---:|---:|---:|---:|"]  # fmt: skip
     for conc in CONCURRENCY:
@@ -313,7 +313,7 @@ def main() -> None:
         reps = 1 if args.quick else 3
         value = SPEC.token_bytes * CHUNK + HEADER
         requests = max(64, total // value)
-        peer: Peer = lambda c, tests: redis_benchmark(server.port, value, c, requests, tests)  # noqa: E731
+        peer: Peer = lambda c, tests: redis_benchmark(server.port, value, c, requests, tests)
         remote, peer_get = asyncio.run(bench_sessions(args.data_dir, server.url, total, reps, peer))
         writes, peer_set = asyncio.run(bench_writes(args.data_dir, server.url, total, reps, peer))
         client = {c: asyncio.run(redis_py_get(server.url, c, reps)) for c in CONCURRENCY}
@@ -326,8 +326,9 @@ def main() -> None:
         shutil.rmtree(args.data_dir, ignore_errors=True)
     cmd = "python benchmarks/bench_remote.py" + (" --quick" if args.quick else "")
     cmd += f" --torch-threads {args.torch_threads}" if args.torch_threads != 1 else ""
-    section = render(cmd, remote, writes, value, peer_get, peer_set, client, ttft, ttft_tokens,
-                     time.perf_counter() - started)
+    section = render(
+        cmd, remote, writes, value, peer_get, peer_set, client, ttft, ttft_tokens, time.perf_counter() - started
+    )
     print(section)
     if not args.quick:
         write_doc(section)

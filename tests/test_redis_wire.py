@@ -64,11 +64,12 @@ async def test_assorted_sizes_round_trip_bit_exact_through_get_into_and_read(bac
 async def test_misses_hits_and_values_too_big_for_their_buffers_in_one_batch(backend: RedisBackend) -> None:
     values = {f"c/{n}": os.urandom(n) for n in (1, 4097, 70_000, 300_000, 2 << 20)}
     await backend.put(list(values), list(values.values()))
-    keys, bufs, want = [], [], []
+    cases: list[tuple[str, int, int]] = []  # key, buffer size, bytes expected
     for key, value in values.items():
-        for room, expect in ((len(value) - 1, 0), (len(value), len(value)), (0, 0)):  # too big by one, exact, none
-            keys.append(key), bufs.append(guarded(room)), want.append(expect)
-        keys.append(key.replace("c/", "c/missing-")), bufs.append(guarded(len(value))), want.append(0)
+        cases += [(key, len(value) - 1, 0), (key, len(value), len(value)), (key, 0, 0)]  # too big by one, exact, none
+        cases.append((key.replace("c/", "c/missing-"), len(value), 0))
+    keys, want = [k for k, _, _ in cases], [n for _, _, n in cases]
+    bufs = [guarded(room) for _, room, _ in cases]
     assert await backend.get_into(keys, [v for _, v in bufs]) == want
     for key, (raw, view), n in zip(keys, bufs, want):
         if n:
@@ -117,8 +118,9 @@ async def test_an_error_reply_is_a_typed_refusal_never_bytes(backend: RedisBacke
     assert backend.counters()["refused"] == 2 and backend.trips == 0  # an answer, not an outage
     pool = next(iter(backend._wire.pools.values()))
     out = await pool.fetch([backend._k("c/hash").encode()], [view], timeout=2.0)
-    assert isinstance(out[0], wire.ReplyError) and isinstance(out[0], BackendRefusedError)
-    assert out[0].reply.startswith("WRONGTYPE")
+    refused = out[0]
+    assert isinstance(refused, wire.ReplyError) and issubclass(wire.ReplyError, BackendRefusedError)  # typed
+    assert refused.reply.startswith("WRONGTYPE") and not refused.retryable
 
 
 async def test_connections_killed_between_reads_are_reopened_within_the_call(
@@ -253,7 +255,7 @@ async def fake_server(script: Script) -> tuple[asyncio.Server, int]:
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while line := await reader.readline():  # *2, $3, GET, $n, key: five lines a command
+            while await reader.readline():  # *2, $3, GET, $n, key: five lines a command
                 for _ in range(4):
                     await reader.readline()
                 reply, keep = script(count[0])
