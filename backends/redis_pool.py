@@ -31,8 +31,10 @@ if TYPE_CHECKING:
     from agentstate.backends.redis import RedisBackend
 
 log = logging.getLogger("agentstate.backends.redis")
-REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "MASTERDOWN", "READONLY")
-"""Error replies that are about where or when to ask, not about the key: redis-py's path handles them."""
+FOR_REDIS_PY = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "MASTERDOWN", "READONLY", "NOAUTH",
+                "WRONGPASS", "NOPERM")  # fmt: skip
+"""Error replies about where, when or as whom to ask, not about the key: redis-py's path decides them
+(follows a redirect, or counts an outage, as it always did), never a refusal of that key."""
 
 
 class NodePool:
@@ -218,18 +220,21 @@ class WireReader:
                 log.warning("redis %s on %s failed (%s)", command.decode(), node, down)
             else:
                 breaker.success()
+            refused = []
             for i, g in zip(idx, got):
                 if isinstance(g, int):
                     out[i] = g
                 elif type(g) is WireError:
                     continue
-                elif isinstance(g, ReplyError) and not g.reply.startswith(REDIRECTS):
-                    b._counts["refused"] += 1  # e.g. WRONGTYPE: this key alone is refused, a miss
-                    log.warning("redis refused %s of %s: %s", command.decode(), keys[i], g.reply[:200])
+                elif isinstance(g, ReplyError) and not g.reply.startswith(FOR_REDIS_PY):
+                    refused.append(g.reply)  # e.g. WRONGTYPE: this key alone is refused, a miss
                 elif isinstance(g, ReplyError | WireProtocolError):
                     doubt.append(i)  # moved, resharding, or a stream we doubt: redis-py decides
                 else:
                     raise g  # the caller's sink failed
+            if refused:
+                b._counts["refused"] += len(refused)
+                log.warning("redis refused %d %s on %s: %s", len(refused), command.decode(), node, refused[0][:200])
 
         if len(groups) == 1:  # one node (always, outside a cluster): no task to schedule
             await run(*next((node, *group) for node, group in groups.items()))

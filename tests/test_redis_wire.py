@@ -233,14 +233,18 @@ async def test_a_password_in_the_url_is_sent_and_a_wrong_one_is_not_silent(tmp_p
     redis.Redis(port=server.port).config_set("requirepass", "s3cret")  # after start: its probe has no password
     good = RedisBackend(f"redis://:s3cret@127.0.0.1:{server.port}/2")
     bad = RedisBackend(f"redis://:wrong@127.0.0.1:{server.port}/0", breaker_threshold=1)
+    none = RedisBackend(f"redis://127.0.0.1:{server.port}/0", breaker_threshold=1)  # every GET answers NOAUTH
     try:
         await good.put(["c/a"], [b"abc"])
         assert await good.get_into(["c/a"], [memoryview(bytearray(8))]) == [3] and good._wire.pools
         assert await bad.get_into(["c/a"], [memoryview(bytearray(8))]) == [0]  # redis-py: an outage, counted
         assert bad.counters()["errors"] >= 1
+        assert await none.get_into(["c/a"], [memoryview(bytearray(8))]) == [0] and await none.exists(["c/a"]) == [False]
+        assert none.counters()["errors"] >= 1 and "refused" not in none.counters()  # not the key's fault
     finally:
         await good.close()
         await bad.close()
+        await none.close()
         server.stop()
 
 
