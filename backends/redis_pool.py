@@ -212,8 +212,11 @@ class WireReader:
             pool = self.pools.get(node)
             if pool is None or pool.config != cfg:
                 pool = self.pools[node] = NodePool(cfg, self.connections)
-            got = await pool.fetch([b._k(keys[i]).encode() for i in idx], [targets[i] for i in idx],
-                                   timeout=b.timeout_s, retries=self.retries, command=command)  # fmt: skip
+            if b._gate is None:
+                b._gate = asyncio.Semaphore(b._max_in_flight)
+            async with b._gate:  # calls in flight bounded as on redis-py's path: a wait here is not the node's
+                got = await pool.fetch([b._k(keys[i]).encode() for i in idx], [targets[i] for i in idx],
+                                       timeout=b.timeout_s, retries=self.retries, command=command)  # fmt: skip
             if down := next((g for g in got if type(g) is WireError), None):
                 breaker.failure()  # down, or dropped again after every retry: its keys are misses
                 b._counts["errors"] += 1
