@@ -59,6 +59,9 @@ class TierConfig(BaseModel):
     timeout_s: float = Field(default=2.0, gt=0, description="remote tiers: bound of each call")
     breaker_threshold: int = Field(default=3, gt=0, description="remote tiers: failures in a row that open the breaker")
     breaker_cooldown_s: float = Field(default=5.0, gt=0, description="remote tiers: skip an open node this long")
+    connections: int = Field(
+        default=4, gt=0, le=256, description="redis tier: connections per node that read values straight into buffers"
+    )
     master: str = Field(default="127.0.0.1:50051", description="mooncake tier: master RPC address host:port")
     metadata_url: str = Field(
         default="http://127.0.0.1:8080/metadata", description="mooncake tier: transfer-engine metadata server"

@@ -309,11 +309,7 @@ class LMDBBackend(Backend):
     def _commit(self, batch: list[_WriteOp]) -> None:
         """One synced transaction for the whole batch; large values reach the value log (synced)
         before the transaction that points at them begins."""
-        deleted = {key for op in batch for key in op.deletes}
         large = [(key, value) for op in batch for key, value in op.puts if self._large(value)]
-        if large:
-            with self._gate, self._env.begin(db=self._ptrs) as txn:  # values are immutable: keep a stored one
-                large = [(k, v) for k, v in large if k in deleted or not self._readable(txn.get(k))]
         if large and self.max_map_size is not None:
             self._check_room(sum(len(v) for _, v in large))
         try:
@@ -323,20 +319,13 @@ class LMDBBackend(Backend):
             if disk_full(self.path, exc, sum(len(v) for _, v in large)):
                 raise CapacityError(f"LMDB value log at {self.path}: the disk is full ({exc})") from exc
             raise BackendError(f"LMDB value log write at {self.path}: {exc}") from exc
-        pointers = {id(v): p for (_, v), p in zip(large, written)}
         try:
-            added, dropped = self._commit_txn(batch, pointers)
+            added, dropped = self._commit_txn(batch, written)
         except BaseException:
             self._log.undo(written)
             raise
         self._log.added(added)
         self._log.dropped(dropped)
-
-    def _readable(self, raw: bytes | None) -> bool:
-        """Whether a pointer record names bytes that are there: a put over a damaged or dangling
-        pointer (its segment cut or removed) must write the value again, not keep the pointer."""
-        pointer = Pointer.unpack(raw) if raw is not None else None
-        return pointer is not None and self._log.valid(pointer)
 
     def _check_room(self, need: int) -> None:
         """`max_map_size` bounds the tier: LMDB's pages in use and the value log's files together."""
@@ -350,12 +339,14 @@ class LMDBBackend(Backend):
                 f"({used} used, {need} more to write)"
             )
 
-    def _commit_txn(self, batch: list[_WriteOp], pointers: dict[int, Pointer]) -> tuple[list[Pointer], list[Pointer]]:
+    def _commit_txn(self, batch: list[_WriteOp], pointers: list[Pointer]) -> tuple[list[Pointer], list[Pointer]]:
+        """The batch's transaction; `pointers` are its large values' places, in batch order."""
         resized = False
         ptrs = self._ptrs
         while True:
             added: list[Pointer] = []
             dropped: list[Pointer] = []
+            placed = iter(pointers)
 
             def unlink(txn: lmdb.Transaction, key: bytes, dropped: list[Pointer] = dropped) -> None:
                 if ptrs is not None and (old := txn.pop(key, db=ptrs)) is not None and (p := Pointer.unpack(old)):
@@ -368,7 +359,8 @@ class LMDBBackend(Backend):
                             if not self._large(value):
                                 txn.put(key, value)
                                 unlink(txn, key)
-                            elif (pointer := pointers.get(id(value))) is not None:
+                            else:  # a put replaces what the key held, as LMDB's own put does
+                                pointer = next(placed)
                                 unlink(txn, key)
                                 txn.put(key, pointer.pack(), db=ptrs)
                                 txn.delete(key)

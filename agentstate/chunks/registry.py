@@ -52,6 +52,7 @@ def _redis(cfg: TierConfig, store: StoreConfig) -> Backend:
     return RedisBackend(
         cfg.url, cluster=cfg.cluster, ttl_seconds=cfg.ttl_seconds, prefix=cfg.prefix, timeout_s=cfg.timeout_s,
         breaker_threshold=cfg.breaker_threshold, breaker_cooldown_s=cfg.breaker_cooldown_s,
+        connections=cfg.connections,
     )  # fmt: skip
 
 
