@@ -131,29 +131,21 @@ _CLK = os.sysconf("SC_CLK_TCK")
 DISK: tuple[int, int] | None = None  # (major, minor) of the device holding the data dir
 
 
-def _disk_bytes() -> int:
-    """Bytes read + written on DISK since boot (/proc/diskstats), 0 when unknown."""
+def _disk_bytes(written: bool = True) -> int:
+    """Bytes read (+ written) on DISK since boot (/proc/diskstats), 0 when unknown. Reads alone tell
+    whether a 'cold' run read from the device what it restored, or was served from memory."""
     if DISK is None:
         return 0
     with open("/proc/diskstats") as f:
         for line in f:
             v = line.split()
             if (int(v[0]), int(v[1])) == DISK:
-                return (int(v[5]) + int(v[9])) * 512
+                return (int(v[5]) + (int(v[9]) if written else 0)) * 512
     return 0
 
 
 def _disk_read_bytes() -> int:
-    """Bytes read from DISK since boot (/proc/diskstats), 0 when unknown: a 'cold' figure whose run
-    read fewer bytes from the device than it restored was served (partly) from memory."""
-    if DISK is None:
-        return 0
-    with open("/proc/diskstats") as f:
-        for line in f:
-            v = line.split()
-            if (int(v[0]), int(v[1])) == DISK:
-                return int(v[5]) * 512
-    return 0
+    return _disk_bytes(written=False)
 
 
 def _self_io() -> int:

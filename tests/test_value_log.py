@@ -154,25 +154,6 @@ async def test_damaged_segments_and_pointers_are_misses_never_a_signal(tmp_path:
     await b.close()
 
 
-async def test_a_replaced_segment_is_caught_by_the_chunk_checksum(tmp_path: Path) -> None:
-    """Bytes of the right length but not the ones written: the backend cannot tell, the codec does."""
-    data = tmp_path / "data"
-    cfg = StoreConfig(path=data, tiers=[TierConfig(kind="lmdb", path=Path("chunks"))], chunk_tokens=64,
-                      lmdb_map_size=64 << 20, lmdb_value_log_min_bytes=MIN)  # fmt: skip
-    tokens, kv = random_tokens(64 * 6 + 10, seed=5), random_kv(SPEC4, 64 * 6 + 10, seed=5)
-    async with StateStore.open(cfg, SPEC4) as store:
-        await store.snapshot("s", tokens, kv)
-    damage_segment(data / "chunks", "replaced")
-    async with StateStore.open(cfg, SPEC4) as store:
-        result = await store.resume("s")
-        assert result.restored_tokens < len(tokens)
-        assert bits_equal(result.kv[:, :, : result.restored_tokens], kv[:, :, : result.restored_tokens])
-        await store.snapshot("s", tokens, kv)  # the next snapshot of the same content repairs it
-    async with StateStore.open(cfg, SPEC4) as store:
-        result = await store.resume("s")
-        assert result.complete and bits_equal(result.kv, kv)
-
-
 async def test_deleted_space_comes_back_and_live_bytes_never_move_wrongly(tmp_path: Path) -> None:
     rng = random.Random(6)
     b = backend(tmp_path / "db", segment_bytes=1 << 20)
