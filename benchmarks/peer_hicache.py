@@ -329,6 +329,47 @@ def bench_hicache_file(
         shutil.rmtree(path, ignore_errors=True)
 
 
+class ColdReader:
+    """HiCacheFile holding `num_pages` pages written once, read cold again and again: for benchmarks
+    that alternate its cold passes with another store's on the same disk (paired, so the disk's
+    drift between passes cancels). `cold_pass(drop)` calls `drop` (which must empty the page
+    cache), reads every page from `concurrency` threads into preallocated rows, checks the bytes,
+    and returns the seconds; `close()` removes the files."""
+
+    def __init__(self, root: str, page_bytes: int, num_pages: int, concurrency: int, seed: int = 0) -> None:
+        self.version, _, _, _, self.batch = _import_sglang()
+        os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)  # would override root
+        self.path = os.path.join(root, f"hicache-cold-{uuid.uuid4().hex[:8]}")
+        self.num_pages, self.concurrency = num_pages, concurrency
+        gen = torch.Generator().manual_seed(seed)
+        self.src = torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8, generator=gen)
+        self.dst = torch.zeros_like(self.src)  # touched: time the read, not first-touch faults
+        self.keys = _keys(num_pages, f"cold:{page_bytes}:{seed}")
+        self.backend = make_backend(self.path)
+        for b in _batches(range(num_pages), self.batch):
+            if not self.backend.batch_set([self.keys[i] for i in b], [self.src[i] for i in b]):
+                raise RuntimeError("HiCacheFile.batch_set returned False")
+        os.sync()
+
+    def cold_pass(self, drop: Callable[[], object]) -> float:
+        def read(chunk: range) -> bool:
+            ok = True
+            for b in _batches(chunk, self.batch):
+                got = self.backend.batch_get([self.keys[i] for i in b], [self.dst[i] for i in b])
+                ok &= all(g is not None for g in got)
+            return ok
+
+        self.dst.zero_()
+        drop()
+        secs, oks = _run_threads(self.num_pages, self.concurrency, read)
+        if not all(oks) or not torch.equal(self.dst, self.src):
+            raise RuntimeError("HiCacheFile cold pass missed pages or read bytes that differ")
+        return secs
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
 # -- ceilings (same run, same disk) ---------------------------------------------------------------
 
 
