@@ -1,6 +1,6 @@
 """Resume throughput per tier, vs concurrency and chunk size, against the machine and SGLang.
 
-    python benchmarks/bench_tiers.py [--quick] [--data-dir DIR]
+    python benchmarks/bench_tiers.py [--quick] [--no-write] [--data-dir DIR]
 
 For each chunk size (64/256/1024 tokens) it snapshots 64 sessions of equal size (2 GiB of KV in
 all; 0.5 GiB with --quick), then resumes all of them, 1, 8 or 64 sessions at a time, into
@@ -8,11 +8,11 @@ preallocated buffers, from: the host tier; LMDB with a warm page cache; LMDB col
 cold (buffered, and O_DIRECT). In the same run it measures numpy memcpy, the disk's cold read
 ceiling (benchmarks/disk_ceiling.py: a fio sweep, buffered and O_DIRECT x jobs 1/4/8 x bs 1M/4M x
 QD 16/32 on io_uring, and Python threads of preadv + WILLNEED; a read is counted only if the device
-delivered >= 95% of its bytes meanwhile), and SGLang's own HiCacheFile reading the same number of
-bytes as 8 MiB pages (256-token chunks) from 8 threads, cold, in passes that alternate with the
-file tier's (3 rounds at least), so the disk's drift between them cancels in the ratio. Every cold pass records the device bytes its
-timed part read (a ratio under 0.95 to the payload is flagged: not cold), and the LMDB passes what
-the store's open read. Results go to docs/benchmarks.md (section bench_tiers) and
+delivered >= 95% of its bytes meanwhile), and SGLang's own HiCacheFile reading as many bytes as
+8 MiB pages (256-token chunks) from 8 threads, cold, in passes that alternate with the file
+tier's (3 rounds at least), so the disk's drift between them cancels in the ratio. Every cold pass
+records the device bytes its timed part read (a ratio under 0.95 to the payload is flagged: not
+cold), and the LMDB passes what the store's open read. Results go to docs/benchmarks.md (section bench_tiers) and
 docs/bench_tiers.png, but not with --quick or --no-write (which plot to the temp dir).
 """
 
