@@ -135,3 +135,15 @@ async def test_eviction_under_pressure_keeps_every_session_resumable(open_store)
     async with open_store(tiers=layout) as store:  # and after a restart, from whatever tier holds it
         for sid, kv in sessions.items():
             assert bits_equal((await store.resume(sid)).kv, kv)
+
+
+@pytest.mark.parametrize("value_log", [False, True], ids=["lmdb-map", "lmdb-value-log"])
+async def test_a_key_twice_in_one_put_keeps_its_first_value_in_every_tier(open_store, value_log: bool) -> None:  # type: ignore[no-untyped-def]
+    """Values are immutable per key: a batch naming a key twice (an engine's torn or repeated batch)
+    stores the first value everywhere, so what a read returns never depends on which tier serves it."""
+    first, second = bytes(CHUNK_BYTES), b"\x01" * CHUNK_BYTES
+    async with open_store(tiers=tiers(host_chunks=8), lmdb_value_log_min_bytes=4096 if value_log else None) as store:
+        with store.chunks.pinned(["c/twice"]):
+            await store.chunks.put_values(["c/twice", "c/twice"], [first, second], durable=True)
+        for name in ("host", "lmdb"):
+            assert bytes(await store.chunks.raw_value(name, "c/twice")) == first, name

@@ -168,12 +168,15 @@ class TierManager:
         """
         waits = {tier.inflight[k] for k in keys if k in tier.inflight}
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        stored, originals = dict(zip(keys, values)), dict(zip(keys, values))
+        originals: dict[str, Value] = {}
+        for key, value in zip(keys, values):
+            originals.setdefault(key, value)  # a key twice in one batch: the first value stands, in every tier
+        stored = dict(originals)
         if getattr(tier.backend, "compresses", False):  # a compressing tier's capacity is spent in stored bytes
             todo = [k for k in stored if k not in tier.lru]
             stored.update(zip(todo, await tier.backend.compress(todo, [stored[k] for k in todo])))
         async with tier.lock if tier.capacity is not None else contextlib.nullcontext():
-            new = [(k, stored[k]) for k in keys if k not in tier.lru]
+            new = [(k, stored[k]) for k in originals if k not in tier.lru]
             fits, spill = [], []
             for key, value in new:
                 if tier.capacity is None or await self._make_room(tier, len(value), {k for k, _ in new}):
