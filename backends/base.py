@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import BaseModel
@@ -32,6 +34,24 @@ def disk_full(path: str | os.PathLike[str], exc: BaseException, need: int = 0) -
     except OSError:
         return False
     return st.f_bavail * st.f_frsize < need + (1 << 20)
+
+
+def io_pool(threads: int, name: str) -> ThreadPoolExecutor:
+    """A pool for blocking IO and for the copies that sinks run on it, whose workers run torch on
+    one intra-op thread each. The pool is the parallelism: N workers each fanning a copy out over
+    torch's default threads oversubscribe the cores, and OpenMP's spinning workers then take the
+    core another worker (or a local redis-server) needs. OpenMP's thread count is per calling
+    thread, so the engine's own threads keep theirs."""
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name, initializer=_one_torch_thread)
+
+
+def _one_torch_thread() -> None:
+    torch = sys.modules.get("torch")  # imported by whoever copies tensors here; never imported for it
+    if torch is not None and ONE_TORCH_THREAD:
+        torch.set_num_threads(1)
+
+
+ONE_TORCH_THREAD = True
 
 
 ReadSink = Callable[[int, memoryview], None]

@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from agentstate.backends.base import Backend, BackendStats, InMemory, ReadSink
+from agentstate.backends.base import Backend, BackendStats, InMemory, ReadSink, io_pool
 
 
 class DeviceBackend(InMemory, Backend):
@@ -30,7 +29,7 @@ class DeviceBackend(InMemory, Backend):
         self.device = torch.device(device)
         self._items: dict[str, torch.Tensor] = {}
         self._used = 0
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agentstate-device")
+        self._pool = io_pool(threads, "agentstate-device")
         self._counts: Counter[str] = Counter()
 
     def _host_view(self, value: torch.Tensor) -> memoryview:

@@ -6,9 +6,8 @@ import asyncio
 import mmap
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
-from agentstate.backends.base import Backend, BackendStats, InMemory, Pinnable, ReadSink
+from agentstate.backends.base import Backend, BackendStats, InMemory, Pinnable, ReadSink, io_pool
 
 from agentstate.errors import CapacityError, InvalidArgumentError
 
@@ -36,7 +35,7 @@ class HostBackend(InMemory, Pinnable, Backend):
         self._items: OrderedDict[str, bytes | bytearray | mmap.mmap] = OrderedDict()
         self._pins: Counter[str] = Counter()
         self._used = 0
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agentstate-host")
+        self._pool = io_pool(threads, "agentstate-host")
         self._counts: Counter[str] = Counter()
 
     def __contains__(self, key: str) -> bool:

@@ -25,13 +25,12 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 import lmdb
-from agentstate.backends.base import Backend, BackendStats, ReadSink, disk_full
+from agentstate.backends.base import Backend, BackendStats, ReadSink, disk_full, io_pool
 from agentstate.backends.lmdb_env import lmdb_error, open_env
 from agentstate.backends.value_log import Pointer, ValueLog
 
@@ -113,7 +112,7 @@ class LMDBBackend(Backend):
             self._env.close()
             raise
         self._gate = _TxnGate()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agentstate-lmdb")
+        self._pool = io_pool(threads, "agentstate-lmdb")
         self._queue: list[_WriteOp] = []
         self._writer: asyncio.Task[None] | None = None
         self._counts: Counter[str] = Counter()

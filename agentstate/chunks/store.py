@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from agentstate.backends.base import Backend, BackendStats, ReadSink
+from agentstate.backends.base import Backend, BackendStats, ReadSink, io_pool
 from agentstate.chunks.lock import DataDirLock
 from agentstate.chunks.registry import CAPACITY_MANAGED, build_backend
 from agentstate.config import StoreConfig, TierConfig
@@ -121,7 +121,7 @@ class ChunkStore:
             self._lock.release()
             raise
         self._record = self._manager.record
-        self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="agentstate-cpu")
+        self._pool = io_pool(config.io_threads, "agentstate-cpu")
         self._io = IOEngine(config.io_depth)
         self._buffers = BufferPool(config.restore_pool_bytes)
         self._transfer = Transfer(
