@@ -255,7 +255,7 @@ def compress(value: bytes | bytearray | memoryview, key: str, method: str) -> by
         elem = _elem_size(view)
         stage = bytearray(len(view))
         shuffle(view, elem, memoryview(stage))
-    payload = _entropy_encode(coder, stage)
+    payload = _entropy_encode(coder, memoryview(stage))
     fields = _FIELDS.pack(MAGIC, VERSION, quant, ENTROPY[coder], elem, len(view), len(stage), len(payload))
     if HEADER_SIZE + len(payload) >= len(view):
         return value
