@@ -57,14 +57,21 @@ def log(msg: str) -> None:
 
 
 def memcpy_gbps(reps: int = 5) -> float:
+    """The faster of numpy's one-thread copy and torch `copy_` on its default threads (medians): the
+    store copies on several threads, and torch's copy outran numpy's by a third in one run, so one
+    numpy thread is not the limit a multi-threaded restore is judged against."""
     src = np.ones(1 << 30, dtype=np.uint8)
     dst = np.zeros_like(src)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t)
-    return src.nbytes / GB / float(np.median(times))
+    ts, td = torch.from_numpy(src), torch.from_numpy(dst)
+    best = 0.0
+    for copy in (lambda: np.copyto(dst, src), lambda: td.copy_(ts)):
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            copy()
+            times.append(time.perf_counter() - t)
+        best = max(best, src.nbytes / GB / float(np.median(times)))
+    return best
 
 
 LAYOUTS: dict[str, tuple[list[TierConfig], bool]] = {
@@ -263,7 +270,8 @@ def render(cmd: str, results: dict[int, ChunkResult], memcpy: float, reads: list
              f"Command: `{cmd}` — {dt.date.today()}, {os.cpu_count()} cores, torch {torch.__version__}, {secs:.0f} s.",
              (f"Spec: 8 layers x 8 KV heads x 128 dim, bf16 ({SPEC.token_bytes // 1024} KiB/token); 64 sessions,"
               " resumed 1/8/64 at a time into preallocated buffers; GB = 1e9 bytes; medians."), "",
-             f"Ceilings in the same run: memcpy (numpy, 1 thread) **{memcpy:.2f} GB/s**; the disk's cold read, a sweep "
+             f"Ceilings in the same run: memcpy (the faster of numpy on 1 thread and torch `copy_`) **{memcpy:.2f} GB/s**;"
+             " the disk's cold read, a sweep "
              "(each read after drop_caches; device bytes = this process's own storage reads, /proc/self/io, fio's "
              "included as reaped children, so other processes' reads on this shared VM do not count; a read whose "
              f"device bytes are under {COLD_MIN:.0%} of its payload is not cold and is dropped"
@@ -280,8 +288,16 @@ def render(cmd: str, results: dict[int, ChunkResult], memcpy: float, reads: list
             cells = " | ".join(f"{res.gbps[(name, c)]:.2f}" for c in CONCURRENCY)
             lines.append(f"| {name} | {chunk} | {cells} | {ratio} | {dev} |")
     opened = [f"{c}-token chunks {max(r.opened.get('lmdb cold', [0])) / 1e6:.1f} MB" for c, r in results.items()]
+    over = [f"{name} {chunk}" for chunk, res in results.items() for name, (_, cold) in LAYOUTS.items()
+            if cold and ceiling and res.gbps[(name, 64)] > ceiling.gbps]  # fmt: skip
     lines += ["", "LMDB cold: what opening the store read from the device (untimed, before each cold pass; worst "
-              "pass): " + ", ".join(opened) + ".", "", *compare(results, ceiling), "",
+              "pass): " + ", ".join(opened) + "."]
+    if over:
+        lines += ["", f"Above the disk ceiling with every byte read from the device ({', '.join(over)}): the sweep runs "
+                  "once, at the start, and this virtual disk's speed drifts by more than that over a run (1.0 to 2.5 "
+                  "GB/s seen in one session); those rows are cold reads of a disk that was faster then, not reads from "
+                  "memory. Their ratios are only good to the disk's drift."]  # fmt: skip
+    lines += ["", *compare(results, ceiling), "",
               "![resume GB/s per tier](bench_tiers.png)", "", END]  # fmt: skip
     return "\n".join(lines)
 
