@@ -46,6 +46,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from doc_section import write_section  # noqa: E402
 
 from agentstate import ModelSpec, StateStore, StoreConfig  # noqa: E402
 from agentstate.config import TierConfig  # noqa: E402
@@ -294,13 +296,7 @@ def render(cmd: str, remote: dict[int, float], writes: dict[int, float], value: 
 
 
 def write_doc(section: str) -> None:
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    if BEGIN in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    DOC.write_text(text)
+    write_section(DOC, BEGIN, END, section)
 
 
 def main() -> None:

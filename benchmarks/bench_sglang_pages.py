@@ -40,6 +40,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+from doc_section import write_section  # noqa: E402
 import tests.sglang_launch  # noqa: F401, I001  (SGLang's CPU stand-ins, before any SGLang import)
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -234,13 +235,7 @@ def render(cmd: str, res: dict[str, Any], reps: int, secs: float) -> str:
 
 
 def write_doc(section: str) -> None:
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    if BEGIN in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    DOC.write_text(text)
+    write_section(DOC, BEGIN, END, section)
 
 
 def main() -> None:

@@ -39,6 +39,7 @@ from agentstate.memory import empty_host
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from disk_ceiling import COLD_MIN, Read, best, describe, device_read_bytes, drop_caches, sweep
+from doc_section import write_section  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "benchmarks.md"
@@ -303,13 +304,7 @@ def render(cmd: str, results: dict[int, ChunkResult], memcpy: float, reads: list
 
 
 def write_doc(section: str) -> None:
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    if BEGIN in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    DOC.write_text(text)
+    write_section(DOC, BEGIN, END, section)
 
 
 def main() -> None:

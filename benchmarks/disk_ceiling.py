@@ -83,6 +83,11 @@ def fio_read(path: Path, size: int, *, direct: bool, jobs: int, bs: str, depth: 
     cmd = ["fio", "--name=ceiling", f"--filename={path}", f"--size={part}M", f"--offset_increment={part}M",
            f"--numjobs={jobs}", "--group_reporting", "--rw=read", f"--bs={bs}", f"--direct={int(direct)}",
            "--ioengine=io_uring", f"--iodepth={depth}", "--invalidate=1", "--output-format=json"]  # fmt: skip
+    return _run_fio(name, cmd)
+
+
+def _run_fio(name: str, cmd: list[str]) -> Read | None:
+    """Run one fio read job after drop_caches, with the device bytes read meanwhile; None if fio failed."""
     drop_caches()
     before = device_read_bytes()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -151,17 +156,7 @@ def fio_trap(path: Path, size: int, jobs: int = 8) -> Read | None:
     cmd = ["fio", "--name=trap", f"--filename={path}", f"--size={part}M", "--offset_increment=0",
            f"--numjobs={jobs}", "--group_reporting", "--rw=read", "--bs=1M", "--ioengine=mmap",
            "--invalidate=1", "--output-format=json"]  # fmt: skip
-    drop_caches()
-    before = device_read_bytes()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    after = device_read_bytes()
-    if proc.returncode != 0:
-        return None
-    read = json.loads(proc.stdout)["jobs"][0]["read"]
-    device = None if before is None or after is None else after - before
-    return Read(
-        f"fio mmap jobs={jobs}, one shared slice (control)", read["bw_bytes"] / GB, int(read["io_bytes"]), device
-    )
+    return _run_fio(f"fio mmap jobs={jobs}, one shared slice (control)", cmd)
 
 
 def best(reads: list[Read]) -> Read | None:
