@@ -110,9 +110,10 @@ class CompressedBackend(Backend):
 
         def deliver(i: int, frame: bytes) -> bool:
             out = self._decode(keys[i], frame, None)
-            if out is None:
-                return False
-            sink(i, out)
+            # A frame that does not decode is handed on as it is: no chunk check passes it (its magic
+            # is not a chunk's), so the layer above sees damage, counts it, drops the copy, and
+            # verify reports it as corrupt instead of missing.
+            sink(i, memoryview(frame) if out is None else out)
             return True
 
         def inner_sink(i: int, view: memoryview) -> None:

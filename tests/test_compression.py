@@ -29,7 +29,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from agentstate import ModelSpec, codec, compress
 from agentstate.config import TierConfig
-from agentstate.errors import CorruptDataError, MissingDependencyError
+from agentstate.errors import AgentStateError, CorruptDataError, MissingDependencyError
 from tests.conftest import bits_equal, random_kv
 
 FP = "0f" * 16
@@ -139,9 +139,18 @@ async def test_fp8_serves_the_dequantized_kv_within_its_bound(tmp_path: Path) ->
 
 
 async def read_all_under(backend: CompressedBackend, frame: bytes, key: str) -> list[bool]:
+    """Store `frame` under `key` and read it back: which reads came back as a chunk valid under `key`
+    (a frame that fails its own check is handed on undecoded, for the chunk check to reject)."""
     await backend.inner.put([key], [frame])
-    found, _ = await read_all(backend, [key])
-    return found
+    found, got = await read_all(backend, [key])
+    valid = []
+    for hit, value in zip(found, [got.get(0)]):
+        try:
+            codec.decode(memoryview(value), key=key, fingerprint=FP, dtype=torch.bfloat16) if hit else None
+        except AgentStateError:
+            hit = False
+        valid.append(bool(hit))
+    return valid
 
 
 @functools.cache
@@ -207,7 +216,11 @@ async def test_damaged_and_hostile_frames_are_misses_and_leave_stored_data_intac
         await backend.put(["c/good"], [good_value])
         await backend.inner.put(keys, stored)
         found, got = await read_all(backend, ["c/good", *keys])
-        assert found == [True] + [False] * len(keys) and list(got) == [0] and got[0] == bytes(good_value)
+        assert found == [True] * (1 + len(keys)) and got[0] == bytes(good_value)
+        for i, frame in enumerate(stored):  # handed on undecoded, for the chunk check to reject
+            assert got[i + 1] == frame
+            with pytest.raises(AgentStateError):
+                codec.decode(memoryview(frame), key=keys[i], fingerprint=FP, dtype=torch.bfloat16)
         assert await backend.get_into(keys, [memoryview(bytearray(1 << 15)) for _ in keys]) == [0] * len(keys)
         assert (await backend.stats()).errors == 2 * len(keys)
         _, raw = await read_all(backend.inner, keys)  # the stored bytes are untouched by the failed decodes

@@ -124,3 +124,30 @@ def _cropped(cache: Any, tokens: int) -> Any:
     out = copy.deepcopy(cache)
     out.crop(tokens - cache.get_seq_length())
     return out
+
+
+async def test_verify_reports_a_damaged_frame_as_corrupt_and_repair_lets_the_next_snapshot_heal(
+    open_store: Callable[..., Any],
+) -> None:
+    """An operator's view of a damaged compressed value: corrupt (not missing) in verify, the session
+    named; repair drops the copy and the next snapshot of the same content makes the store clean."""
+    from agentstate.ops.verify import verify
+
+    m = model()
+    spec = tfa.spec_for(m, model_id="test/tiny-qwen2")
+    ids, cache = model_kv(m, 150)
+    tiers = [TierConfig(kind="lmdb", compression="zstd")]
+    async with open_store(spec, tiers=tiers) as store:
+        await tfa.snapshot(store, "agent", ids, cache)
+        victim = (await store.session("agent")).chunk_keys[1]
+        inner = store.chunks.backend("lmdb").inner
+        _, raw = await read_all(inner, [victim])
+        frame = bytearray(raw[0])
+        frame[len(frame) // 2] ^= 0x40
+        await inner.put([victim], [bytes(frame)])
+        report = await verify(store)
+        assert [(b.tier, b.key) for b in report.corrupt] == [("lmdb", victim)] and not report.clean
+        assert [a.session_id for a in report.affected] == ["agent"]
+        await verify(store, repair=True)
+        await tfa.snapshot(store, "agent", ids, cache)
+        assert (await verify(store)).clean
