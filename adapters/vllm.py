@@ -41,6 +41,7 @@ logs instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import concurrent.futures
 import hashlib
 import logging
@@ -336,6 +337,8 @@ class AgentStateConnector(KVConnectorBase_V1):
             self._reading: dict[str, list[concurrent.futures.Future[None]]] = {}
             self._revoke: dict[str, threading.Event] = {}
             self._held: dict[str, list[concurrent.futures.Future[None]]] = {}  # finished: blocks held for these
+            # (tenant, session id) -> its snapshot in flight: a lookup of that session waits for it
+            self._saving: dict[tuple[str, str], concurrent.futures.Future[None]] = {}
             self._errors: set[int] = set()
             self._pending = 0  # chunks handed to the loop, not yet written
             self._stats = AgentStateStats()
@@ -583,6 +586,13 @@ class AgentStateConnector(KVConnectorBase_V1):
         return reply
 
     async def _session_hit(self, view: StateStore, session_id: str, tokens: list[int]) -> dict[str, Any] | None:
+        """The session's manifest if it covers a prefix of `tokens`. A snapshot of this session still
+        being written (the previous turn, finished a moment ago) is waited for, up to half the
+        scheduler's lookup timeout: the next turn then finds all of it, tail included."""
+        saving = self._saving.get((view.tenant, session_id))
+        if saving is not None and not saving.done():
+            with contextlib.suppress(Exception):  # a failed or slow save: answer with what is stored
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(saving)), self.settings.lookup_timeout_s / 2)
         try:
             manifest = await view.session(session_id)
         except AgentStateError:
@@ -770,9 +780,11 @@ class AgentStateConnector(KVConnectorBase_V1):
         self._revoke.pop(job.req_id, None)
         try:
             self._ready()
-            self._writes.append(
-                asyncio.run_coroutine_threadsafe(self._snapshot(job, read, self._forward_done()), self._loop.loop)
-            )
+            saved = asyncio.run_coroutine_threadsafe(self._snapshot(job, read, self._forward_done()), self._loop.loop)
+            self._writes.append(saved)
+            live = {k: f for k, f in self._saving.items() if not f.done()}  # replaced whole: the loop reads it
+            live[(job.tenant, job.session_id)] = saved
+            self._saving = live
         except Exception as exc:  # noqa: BLE001 - the blocks must be released either way
             self._failed("snapshot", exc)
             read.set_result(None)
