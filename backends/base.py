@@ -47,11 +47,17 @@ def io_pool(threads: int, name: str) -> ThreadPoolExecutor:
 
 def _one_torch_thread() -> None:
     torch = sys.modules.get("torch")  # imported by whoever copies tensors here; never imported for it
-    if torch is not None and ONE_TORCH_THREAD:
+    if torch is not None:
         torch.set_num_threads(1)
 
 
-ONE_TORCH_THREAD = True
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a directory's entries durable (a file created or renamed in it)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 ReadSink = Callable[[int, memoryview], None]

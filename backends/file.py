@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import unquote
 
-from agentstate.backends.base import Backend, BackendStats, Pinnable, ReadSink, disk_full
+from agentstate.backends.base import Backend, BackendStats, Pinnable, ReadSink, disk_full, fsync_dir
 
 from agentstate.errors import BackendError, CapacityError, InvalidArgumentError
 from agentstate.memory import host_buffer
@@ -144,14 +144,6 @@ class _ReadAhead:
                 del self._reading[path]
             self._bytes -= self._ahead.pop(path, (0, 0.0))[0]
             self._cv.notify_all()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unlink(path: str) -> None:
@@ -514,7 +506,7 @@ class FileBackend(Pinnable, Backend):
             if self.sync:  # each touched directory once; a shard not yet known durable, its parents too
                 leaves = {loc[0] for loc, _ in jobs.values()}
                 fresh = [p for d in leaves - self._dirs for p in (os.path.dirname(d), self._root)]
-                synced = await self._gather(_fsync_dir, list(leaves.union(fresh)))
+                synced = await self._gather(fsync_dir, list(leaves.union(fresh)))
                 if not any(synced):
                     self._dirs |= leaves
         finally:

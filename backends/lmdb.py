@@ -24,7 +24,7 @@ import asyncio
 import logging
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -130,15 +130,16 @@ class LMDBBackend(Backend):
                 ptrs = self._env.open_db(_POINTERS)
             with self._env.begin(db=ptrs) as txn:
                 raw_next = txn.get(_NEXT)
-                pointers = [p for k, v in txn.cursor() if not k.startswith(_RESERVED) and (p := Pointer.unpack(v))]
+                pointers = [p for _, p in _pointers(txn)]
         except lmdb.Error as exc:
             raise lmdb_error(exc, f"cannot open LMDB at {self.path}") from exc
         self._log.adopt(pointers, int(raw_next.decode()) if raw_next and raw_next.isdigit() else 0)
         return ptrs
 
-    def _value(self, txn: lmdb.Transaction, key: bytes) -> memoryview | bytes | None:
-        """A key's stored bytes: inline in LMDB, or a view of the value log; None when absent (a
-        pointer that is damaged or runs past its segment is absent too: a miss, recomputed)."""
+    def _locate(self, txn: lmdb.Transaction, key: bytes) -> memoryview | bytes | Pointer | None:
+        """Where a key's bytes are: inline in LMDB (the bytes), or in the value log (its pointer);
+        None when absent. A pointer that is damaged or runs past its segment is absent too (a miss,
+        recomputed), counted and logged."""
         value = txn.get(key)
         if value is not None or self._ptrs is None:
             return value
@@ -146,19 +147,23 @@ class LMDBBackend(Backend):
         if raw is None:
             return None
         pointer = Pointer.unpack(raw)
-        view = self._log.view(pointer) if pointer is not None else None
+        if pointer is None or not self._log.valid(pointer):
+            self._lost(key, pointer)
+            return None
+        return pointer
+
+    def _bytes(self, key: bytes, where: memoryview | bytes | Pointer | None) -> memoryview | bytes | None:
+        """The bytes `_locate` found: a view of the value log's mapping for a pointer."""
+        if not isinstance(where, Pointer):
+            return where
+        view = self._log.view(where)
         if view is None:
-            self._counts["errors"] += 1
-            log.warning("LMDB at %s: the value log has no bytes for %r (%s)", self.path, key, pointer)
+            self._lost(key, where)
         return view
 
-    def _prefetch(self, txn: lmdb.Transaction, keys: Sequence[str]) -> None:
-        """Announce the value-log reads of a batch before the first one (see ValueLog.prefetch)."""
-        if self._ptrs is None or len(keys) < 2:
-            return
-        pointers = [p for k in keys if (raw := txn.get(k.encode(), db=self._ptrs)) and (p := Pointer.unpack(raw))]
-        if len(pointers) > 1:
-            self._log.prefetch(pointers)
+    def _lost(self, key: bytes, pointer: Pointer | None) -> None:
+        self._counts["errors"] += 1
+        log.warning("LMDB at %s: the value log has no bytes for %r (%s)", self.path, key, pointer)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -189,9 +194,13 @@ class LMDBBackend(Backend):
         def run() -> list[bool]:
             found = []
             with self._env.begin(buffers=True) as txn:
-                self._prefetch(txn, keys)
-                for i, key in enumerate(keys):
-                    value = self._value(txn, key.encode())
+                raw = [k.encode() for k in keys]
+                where = [self._locate(txn, k) for k in raw]
+                pointers = [p for p in where if isinstance(p, Pointer)]
+                if len(pointers) > 1:  # announced before the first is touched (see ValueLog.prefetch)
+                    self._log.prefetch(pointers)
+                for i, (key, loc) in enumerate(zip(raw, where)):
+                    value = self._bytes(key, loc)
                     if value is not None:
                         sink(i, value)
                     found.append(value is not None)
@@ -208,14 +217,15 @@ class LMDBBackend(Backend):
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         def run() -> list[bool]:
             with self._env.begin(buffers=True) as txn:
-                return [self._value(txn, k.encode()) is not None for k in keys]
+                return [self._locate(txn, k.encode()) is not None for k in keys]
 
         return await self._run(self._txn, run, "read")
 
     async def sizes(self, keys: Sequence[str]) -> list[int]:
         def run() -> list[int]:
             with self._env.begin(buffers=True) as txn:
-                return [len(v) if (v := self._value(txn, k.encode())) is not None else 0 for k in keys]
+                found = [self._locate(txn, k.encode()) for k in keys]
+                return [w.length if isinstance(w, Pointer) else 0 if w is None else len(w) for w in found]
 
         return await self._run(self._txn, run, "read")
 
@@ -405,10 +415,7 @@ class LMDBBackend(Backend):
     def _compact(self, segment: int) -> int:
         """Copy the live values of `segment` to the active one; returns the bytes copied."""
         with self._gate, self._env.begin(db=self._ptrs) as txn:
-            moving = [
-                (bytes(k), p) for k, v in txn.cursor()
-                if not k.startswith(_RESERVED) and (p := Pointer.unpack(v)) and p.segment == segment
-            ]  # fmt: skip
+            moving = [(k, p) for k, p in _pointers(txn) if p.segment == segment]
             views = [self._log.view(p) for _, p in moving]
             if any(v is None for v in views):
                 self._log.exempt(segment)  # a damaged segment is left for verify to report, not copied
@@ -484,6 +491,15 @@ class LMDBBackend(Backend):
         self._pool.shutdown(wait=True)
         self._log.close()
         self._env.close()
+
+
+def _pointers(txn: lmdb.Transaction) -> Iterator[tuple[bytes, Pointer]]:
+    """(key, pointer) of every value-log record a transaction of the pointer database sees; a
+    record that is not a pointer (damage) is skipped here and a miss when read."""
+    for raw_key, raw in txn.cursor():
+        key = bytes(raw_key)
+        if not key.startswith(_RESERVED) and (pointer := Pointer.unpack(raw)) is not None:
+            yield key, pointer
 
 
 def _text(raw: bytes) -> str:

@@ -23,6 +23,7 @@ miss, never a touch past the mapping (which would be a SIGBUS).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -34,6 +35,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
+
+from agentstate.backends.base import fsync_dir
 
 DIR = "values"
 _ALIGN = 4096
@@ -61,6 +64,13 @@ def _writeback_starter() -> Callable[[int, int, int, int], int] | None:
 
 _sync_file_range = _writeback_starter()
 _SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing `length` bytes at `offset` of `fd` to the disk now, without waiting (a no-op
+    where sync_file_range is missing); the fsync that follows then has less left to wait for."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 class Pointer(NamedTuple):
@@ -94,19 +104,12 @@ def _round_up(n: int) -> int:
     return (n + _ALIGN - 1) & ~(_ALIGN - 1)
 
 
-def _fsync_dir(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class ValueLog:
     """Segment files under `root/values/`. Blocking methods: called on the backend's threads.
 
-    `append` and `sync` run on the backend's single writer (one group commit at a time); `view`
-    on any reader thread; `remove` under the backend's exclusive gate (no reader in flight).
+    `write`, `undo` and the accounting run on the backend's single writer (one group commit at a
+    time); `view` and `prefetch` on any reader thread; `remove` under the backend's exclusive gate
+    (no reader in flight).
     """
 
     def __init__(self, root: Path, *, segment_bytes: int = 1 << 30, sync: bool = True) -> None:
@@ -173,15 +176,15 @@ class ValueLog:
                 done = 0
                 while done < len(view):
                     n = os.pwrite(self._fd, view[done : done + _PIECE], offset + done)  # type: ignore[arg-type]
-                    if self.sync_writes and _sync_file_range is not None:
-                        _sync_file_range(self._fd, offset + done, n, _SYNC_FILE_RANGE_WRITE)  # type: ignore[arg-type]
+                    if self.sync_writes:
+                        start_writeback(self._fd, offset + done, n)  # type: ignore[arg-type]
                     done += n
                 seg.size = offset + len(view)
                 out.append(Pointer(self._active, offset, len(view)))  # type: ignore[arg-type]
             if self.sync_writes and out:
                 _fdatasync(self._fd)  # type: ignore[arg-type]  # earlier segments were synced as they rolled
                 if created:
-                    _fsync_dir(self.root)
+                    fsync_dir(self.root)
         except BaseException:
             self.undo(out)
             raise
@@ -254,10 +257,9 @@ class ValueLog:
             for p in pointers:
                 mapped = self._mapping(p)
                 if mapped is not None and _WILLNEED is not None:
-                    try:
-                        mapped.madvise(_WILLNEED, p.offset, _round_up(p.length))
-                    except (OSError, ValueError):
-                        return  # advice only
+                    with contextlib.suppress(OSError, ValueError):  # advice only
+                        # whole pages, but never past the mapping (a segment's last value ends unaligned)
+                        mapped.madvise(_WILLNEED, p.offset, min(_round_up(p.length), len(mapped) - p.offset))
 
     @staticmethod
     def _map(seg: _Segment) -> mmap.mmap | None:

@@ -94,11 +94,11 @@ def check_value_log(backend: object) -> None:
     one), its live bytes are what the pointers say, and dead bytes are bounded (compaction ran)."""
     import lmdb
 
-    from agentstate.backends.value_log import Pointer
+    from agentstate.backends.lmdb import _pointers
 
     vlog = backend._log  # type: ignore[attr-defined]
     with backend._env.begin(db=backend._ptrs) as txn:  # type: ignore[attr-defined]
-        pointers = [p for k, v in txn.cursor() if not k.startswith(b"\x01") and (p := Pointer.unpack(v))]
+        pointers = [p for _, p in _pointers(txn)]
     live: dict[int, int] = {}
     for p in pointers:
         live[p.segment] = live.get(p.segment, 0) + p.length

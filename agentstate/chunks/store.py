@@ -349,9 +349,11 @@ class ChunkStore:
 
     async def _reclaim(self) -> None:
         """After gc's deletes: local durable tiers give back what they only marked deleted."""
-        for tier in self._manager.tiers:
-            if tier.backend.durable and not tier.backend.remote:
-                await tier.backend.reclaim()
+        for tier in self._local_durable():
+            await tier.backend.reclaim()
+
+    def _local_durable(self) -> list[Tier]:
+        return [t for t in self._manager.tiers if t.backend.durable and not t.backend.remote]
 
     async def sweep_shared(self, prefixes: Sequence[str], live: set[str]) -> int:
         """gc under a shared catalog: what no manifest or prefix names goes from this host's tiers,
@@ -380,9 +382,8 @@ class ChunkStore:
         """What each local durable tier stores under `prefixes` (asks the backends, not the index)."""
         prefixes = list(prefixes)
         found: dict[str, list[str]] = {}
-        for tier in self._manager.tiers:
-            if tier.backend.durable and not tier.backend.remote:
-                found[tier.name] = [k for p in prefixes async for k in tier.backend.keys(p)]
+        for tier in self._local_durable():
+            found[tier.name] = [k for p in prefixes async for k in tier.backend.keys(p)]
         return found
 
     async def evict(

@@ -237,13 +237,10 @@ class Transfer:
         def encode(run: list[int]) -> list[Value]:
             return [codec.encode(chunks[i], self.fingerprint, key=keys[i], out=host_buffer(sizes[i])) for i in run]
 
-        def encoder(run: list[int]) -> Callable[[], Awaitable[list[Value]]]:
-            return lambda: loop.run_in_executor(self.pool, encode, run)
-
         async def job(run: list[int]) -> None:
             # The IO engine bounds the encodes in flight, not the writes: a batch waiting for its
             # group commit must not keep the next one from encoding.
-            values = await self.io.run(encoder(run))
+            values = await self.io.run(lambda: loop.run_in_executor(self.pool, encode, run))
             await self.manager.store([keys[i] for i in run], values, durable=durable)
 
         jobs = [asyncio.ensure_future(job(run)) for run in batches(sizes, self.batch_bytes)]
