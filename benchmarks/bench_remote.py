@@ -47,6 +47,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
+from disk_ceiling import drop_caches  # noqa: E402
 from doc_section import write_section  # noqa: E402
 
 from agentstate import ModelSpec, StateStore, StoreConfig  # noqa: E402
@@ -68,15 +69,6 @@ HEADER = 64  # codec header bytes per stored value
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def redis_benchmark(port: int, value: int, clients: int, requests: int, tests: str = "set,get") -> dict[str, float]:

@@ -60,6 +60,7 @@ import xxhash
 
 import agentstate
 from agentstate import ModelSpec, StateStore, StoreConfig
+from agentstate.backends.value_log import start_writeback
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "benchmarks.md"
@@ -387,28 +388,14 @@ class Refs:
                 t0 = time.perf_counter()
                 for off in range(0, data.nbytes, 4 * MiB):
                     n = os.pwrite(fd, data[off : off + 4 * MiB], off)
-                    if early and _SYNC_FILE_RANGE is not None:
-                        _SYNC_FILE_RANGE(fd, off, n, 2)
+                    if early:
+                        start_writeback(fd, off, n)
                 os.fdatasync(fd)
                 best = max(best, data.nbytes / (time.perf_counter() - t0) / GB)
             finally:
                 os.close(fd)
                 path.unlink()
         return best
-
-
-def _sync_file_range() -> Any:
-    import ctypes
-
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
 
 
 def parallel_cold_read(path: Path, buf: np.ndarray, threads: int = 4) -> float:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def write_section(doc: Path, begin: str, end: str, section: str) -> None:
+def write_section(doc: Path, begin: str, end: str, section: str, title: str = "# Benchmarks") -> None:
     """Replace the text from `begin` to `end` with `section` (which carries both markers), or append
-    it when the page has no such section yet; the rest of the page is left as it is."""
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    it when the page has no such section yet (a new page starts with `title`); the rest of the page
+    is left as it is."""
+    text = doc.read_text() if doc.exists() else f"{title}\n"
     if begin in text:
         head, rest = text.split(begin, 1)
         text = head + section + rest.split(end, 1)[1]
