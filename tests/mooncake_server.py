@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests.ports import free_port
 from tests.requires import skip_or_fail
 
 STORAGE_SCRIPT = """
@@ -30,12 +30,6 @@ print("ready" if rc == 0 else f"setup failed: {rc}", flush=True)
 while rc == 0:
     time.sleep(3600)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def die_with_parent() -> None:

@@ -8,26 +8,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.ports import free_redis_port
 from tests.requires import skip_or_fail
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def free_port() -> int:
     """A free loopback port whose cluster bus port (port + 10000) is free and valid too."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port + 10000 <= 65535 and _free(port + 10000):
-            return port
+    return free_redis_port()
 
 
 class RedisServer:

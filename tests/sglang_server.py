@@ -30,7 +30,8 @@ from typing import Any
 
 from typing_extensions import Self
 
-from tests.mooncake_server import die_with_parent, free_port
+from tests.mooncake_server import die_with_parent
+from tests.ports import address_in_use, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = ROOT / "tests" / "sglang_launch.py"
@@ -151,7 +152,18 @@ class SGLangServer:
                 args += ["--hicache-storage-prefetch-policy", self.prefetch_policy]
         return [sys.executable, str(LAUNCHER), *args, *self.more_args]
 
-    def start(self) -> Self:
+    def start(self, attempts: int = 3) -> Self:
+        """Start the server; one that lost its port to another process before it bound it (it binds
+        after ~30 s of imports) is started again on another port."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once()
+            except RuntimeError:
+                if attempt + 1 == attempts or not address_in_use(self.log_tail(chars=20000)):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> Self:
         self.work.mkdir(parents=True, exist_ok=True)
         self.tmpdir.mkdir(exist_ok=True)
         self.port = free_port()

@@ -30,6 +30,7 @@ from agentstate.server.gate import Limits, tenant_table
 from agentstate.server.service import create_app, load_tokens, resolve_spec
 from agentstate.wire import FRAME_TYPE, checksum, kv_payload
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
+from tests.ports import free_port
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
 TOKENS = {ALICE: "alice", BOB: "bob"}
@@ -414,9 +415,7 @@ async def wait_healthy(client: httpx.AsyncClient, proc: asyncio.subprocess.Proce
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 async def test_run_serves_a_data_dir_until_sigterm(tmp_path: Path) -> None:

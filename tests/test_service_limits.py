@@ -27,6 +27,7 @@ from agentstate.errors import BackendError
 from agentstate.ops.admin import record_spec
 from agentstate.wire import ResumeHeader, split_frame
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
+from tests.ports import free_port
 
 TOKEN = "limits-token-0123456789"
 BODY_TIMEOUT = HEAD_TIMEOUT = SEND_TIMEOUT = 2.0
@@ -50,9 +51,7 @@ class Server:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 @pytest.fixture(scope="module")
