@@ -159,6 +159,26 @@ class StoreConfig(BaseSettings):
         default=0.02, ge=0, description="timeout policy: added per 1000 tokens of the prefix"
     )
 
+    hint_tenant_share: float = Field(
+        default=0.5, gt=0, le=1,
+        description="most of a cache tier that one tenant's hints and retention contracts may hold; beyond it, plain LRU",
+    )  # fmt: skip
+    hint_max_hold_s: float = Field(
+        default=900.0, gt=0, description="longest a paused() hint keeps a session in the fast tiers"
+    )
+    hint_resuming_hold_s: float = Field(
+        default=120.0, gt=0, description="how long a resuming() hint keeps a session warm if its request never comes"
+    )
+    hint_reload_bytes_per_s: Bytes = Field(
+        default=GiB, gt=0,
+        description="paused(): the read rate a reload from the slow tiers is assumed to get; a session that takes"
+        " longer to reload is held longer past its expected return",
+    )  # fmt: skip
+    usage_flush_s: float = Field(
+        default=1.0, gt=0, le=60,
+        description="accounting and hit times reach the catalog in one transaction this often (and at close)",
+    )  # fmt: skip
+
     def tier_list(self) -> list[TierConfig]:
         if self.tiers is not None:
             return list(self.tiers)

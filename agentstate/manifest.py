@@ -41,7 +41,14 @@ class SessionManifest(BaseModel):
     created_at: float
     updated_at: float
     ttl_seconds: float | None = Field(default=None, gt=0)
+    """retention TTL: the session expires this long after its last write or hit (a resume, a hint),
+    as hosted prompt caches refresh theirs on every hit"""
+    guaranteed_until: float | None = Field(default=None, gt=0)
+    """retention contract: wall-clock time before which the session never expires, whatever its TTL"""
     pinned: bool = False
+    last_hit_at: float | None = Field(default=None, exclude=True)
+    """when it was last resumed or hinted: filled by the catalog from its hit record, never part of
+    the committed manifest (a hit is not a new version)"""
 
     @property
     def num_tokens(self) -> int:
@@ -51,10 +58,23 @@ class SessionManifest(BaseModel):
     def tail_tokens(self) -> int:
         return len(self.tokens) - len(self.chunk_keys) * self.chunk_tokens
 
-    def expired(self, at: float | None = None) -> bool:
+    def expires_at(self) -> float | None:
+        """When the session expires (None: never): its TTL after the last write or hit, and never
+        before `guaranteed_until`."""
         if self.ttl_seconds is None or self.pinned:
-            return False
-        return (now() if at is None else at) >= self.updated_at + self.ttl_seconds
+            return None
+        end = max(self.updated_at, self.last_hit_at or 0.0) + self.ttl_seconds
+        return max(end, self.guaranteed_until or 0.0)
+
+    def retained_until(self, at: float | None = None) -> float | None:
+        """Until when a retention contract (a TTL or `guaranteed_until`) is in force; None when none is."""
+        at = now() if at is None else at
+        end = max(self.expires_at() or 0.0, self.guaranteed_until or 0.0)
+        return end if end > at else None
+
+    def expired(self, at: float | None = None) -> bool:
+        end = self.expires_at()
+        return end is not None and (now() if at is None else at) >= end
 
 
 class MatchResult(BaseModel):

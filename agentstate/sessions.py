@@ -1,4 +1,4 @@
-"""Session operations of StateStore: snapshot, resume, fork, delete, list, gc.
+"""Session operations of StateStore: snapshot, resume, fork, delete, list, gc, hints, usage.
 
 `StateStore` (store.py: prefixes, matches, loads) derives from SessionOps, which derives from
 StoreBase (store_base.py: a ChunkStore, the catalog, the tenant): one flat API in three files.
@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import math
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -29,10 +30,12 @@ from agentstate.errors import (
     SessionNotFoundError,
     SpecMismatchError,
 )
+from agentstate.hints import Hint, HintKind, HintResult, paused_hold_s
 from agentstate.keys import tail_key, token_array, validate_id
 from agentstate.manifest import ResumeResult, SessionManifest, now
 from agentstate.store_base import StoreBase
 from agentstate.target import KVTarget, TensorTarget
+from agentstate.usage import Usage
 
 log = logging.getLogger("agentstate.sessions")
 _FORCE_RETRIES = 16
@@ -51,6 +54,7 @@ class SessionOps(StoreBase):
         state: dict[str, Any] | None = None,
         *,
         ttl_seconds: float | None = None,
+        guaranteed_until: float | None = None,
         pinned: bool = False,
         expected_version: int | None = None,
         force: bool = False,
@@ -64,6 +68,11 @@ class SessionOps(StoreBase):
         untouched. A session stored for another ModelSpec is never replaced silently
         (SpecMismatchError). `force=True` makes this write win on top of whatever is there.
         Every argument is checked before anything is written.
+
+        Retention: `ttl_seconds` expires the session that long after its last write or hit (a
+        resume or a hint refreshes it); `guaranteed_until` (wall-clock seconds) keeps it at least
+        until then, whatever the TTL. While either is in force its chunks are also held in the
+        fast tiers (after hinted sessions, within the tenant's share); eviction only moves them down.
         """
         validate_id(session_id)
         packed = token_array(tokens)
@@ -72,6 +81,7 @@ class SessionOps(StoreBase):
         self.spec.check_kv(kv, len(packed))
         state = _json_object(state)
         _check_options(ttl_seconds=ttl_seconds, pinned=pinned, expected_version=expected_version, force=force)
+        _check_seconds("guaranteed_until", guaranteed_until)
         keys = self._keys(packed)
         full = len(keys) * self.chunk_tokens
         async with self._session_lock(session_id):
@@ -91,9 +101,10 @@ class SessionOps(StoreBase):
                 chunk_tokens=self.chunk_tokens, tokens=packed.tolist(), chunk_keys=keys, tail_key=tkey,
                 state=state, version=base + 1, parent=prev.parent if prev else None,
                 created_at=prev.created_at if prev else stamp, updated_at=stamp,
-                ttl_seconds=ttl_seconds, pinned=pinned,
+                ttl_seconds=ttl_seconds, guaranteed_until=guaranteed_until, pinned=pinned,
             )  # fmt: skip
             named = keys + ([tkey] if tkey else [])
+            written = 0
             try:
                 with self.chunks.pinned(named):
                     new = await self.chunks.missing(keys, durable=True)
@@ -101,16 +112,32 @@ class SessionOps(StoreBase):
                     write_keys = [keys[i] for i in new] + ([tkey] if tkey else [])
                     write_kv = [slices[i] for i in new] + ([kv[:, :, full:]] if tkey else [])
                     if write_keys:
-                        await self.chunks.write(write_keys, write_kv, durable=True)
+                        written = await self.chunks.write(write_keys, write_kv, durable=True)
                     manifest = manifest.model_copy(update={"updated_at": now()})
                     manifest, committed = await self._commit(manifest, base, force=force)
             except BaseException as exc:
                 await self._discard_attempt(keys, tkey, exc)
                 raise
+            tail = len(packed) - full
+            self.usage_log.add(self.tenant, session_id, {
+                "snapshots": 1, "tokens_written": len(new) * self.chunk_tokens + tail,
+                "tokens_deduped": (len(keys) - len(new)) * self.chunk_tokens, "bytes_written": written,
+            })  # fmt: skip
+            self._retain(manifest)
             await self._collect(committed.zeroed)
             if committed.old_tail and committed.old_tail != tkey:
                 await self.chunks.delete([committed.old_tail])
         return manifest
+
+    def _retain(self, manifest: SessionManifest) -> None:
+        """Hold a session's chunks in the fast tiers while its retention contract is in force."""
+        name = f"retain:{manifest.tenant}/{manifest.session_id}"
+        stamp = now()
+        until = manifest.retained_until(stamp)
+        if until is None:
+            self.chunks.release(name)
+        else:
+            self.chunks.hold(name, manifest.tenant, _named(manifest), for_s=until - stamp)
 
     async def _discard_attempt(self, keys: Sequence[str], tkey: str | None, exc: BaseException) -> None:
         """Remove what a failed snapshot or fork wrote, from every tier, unless it committed after all.
@@ -137,9 +164,18 @@ class SessionOps(StoreBase):
                 manifest = manifest.model_copy(update={"version": base + 1})
         raise ConflictError(f"session {manifest.session_id!r} kept changing: {_FORCE_RETRIES} forced commits lost")
 
+    def _hit_known(self, manifest: SessionManifest) -> SessionManifest:
+        """The manifest with this process's latest hit, which may not be in the catalog yet."""
+        pending = self.usage_log.last_hit(manifest.tenant, manifest.session_id)
+        if pending is not None and pending > (manifest.last_hit_at or 0.0):
+            manifest.last_hit_at = pending
+        return manifest
+
     async def _manifest(self, session_id: str) -> SessionManifest:
         validate_id(session_id)
         manifest = await self.catalog.get(self.tenant, session_id)
+        if manifest is not None:
+            manifest = self._hit_known(manifest)
         if manifest is None or manifest.expired():
             raise SessionNotFoundError(f"no session {session_id!r}")
         if manifest.fingerprint != self.fingerprint:
@@ -168,16 +204,21 @@ class SessionOps(StoreBase):
             raise KVShapeError(
                 f"into holds {target.num_tokens} tokens, session {session_id!r} has {manifest.num_tokens}"
             )
-        keys: list[str] = [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
+        keys = _named(manifest)
+        usage: Counter[str] = Counter()
         with self.chunks.pinned(keys):
             await self.chunks.discover(keys)
             # the manifest's chunk size, not this store's: a directory reopened with another
             # chunk_tokens still resumes what it holds
             spans = self._spans(len(manifest.chunk_keys), manifest.num_tokens, manifest.chunk_tokens)
-            ok = await self.chunks.read(keys, spans, target)
+            ok = await self.chunks.read(keys, spans, target, usage=usage)
         target.synchronize()
         lead = _leading(ok)
         restored = manifest.num_tokens if lead == len(keys) else lead * manifest.chunk_tokens
+        usage.update(resumes=1, tokens_read=restored, tokens_recomputed=manifest.num_tokens - restored)
+        self.usage_log.add(self.tenant, session_id, usage)
+        self._hit(manifest)
+        self.chunks.release(f"hint:{self.tenant}/{session_id}")  # it is back: plain LRU from here
         if restored < manifest.num_tokens:
             log.warning(
                 "session %s resumed %d of %d tokens: stored data missing or corrupt",
@@ -218,12 +259,16 @@ class SessionOps(StoreBase):
                                 continue  # its tail went with the version we read
                             raise CorruptDataError(f"tail of session {source_id!r} is missing or corrupt")
                         stamp = now()
-                        fields = {"session_id": new_id, "tail_key": tkey, "version": 1, "parent": source_id}
+                        fields = {
+                            "session_id": new_id, "tail_key": tkey, "version": 1, "parent": source_id,
+                            "last_hit_at": None,
+                        }  # fmt: skip
                         manifest = src.model_copy(update={**fields, "created_at": stamp, "updated_at": stamp})
                         await self.catalog.commit(manifest, None)
                     except BaseException as exc:
                         await self._discard_attempt([], tkey, exc)
                         raise
+                self._retain(manifest)
                 return manifest
         raise ConflictError(f"session {source_id!r} kept changing while it was forked")
 
@@ -246,14 +291,98 @@ class SessionOps(StoreBase):
             manifest, zeroed = await self.catalog.remove(self.tenant, session_id)
             if manifest is None:
                 raise SessionNotFoundError(f"no session {session_id!r}")
+            self.usage_log.forget(self.tenant, session_id)
+            for kind in ("hint", "retain"):
+                self.chunks.release(f"{kind}:{self.tenant}/{session_id}")
             await self._collect(zeroed)
             if self.catalog.shared and manifest.tail_key:
                 await self.chunks.delete([manifest.tail_key])
 
     async def sessions(self) -> AsyncIterator[SessionManifest]:
         for manifest in await self.catalog.manifests(self.tenant):
-            if not manifest.expired():
+            if not self._hit_known(manifest).expired():
                 yield manifest
+
+    # -- hints and accounting ------------------------------------------------------------------
+
+    def _hit(self, manifest: SessionManifest) -> None:
+        """A resume or hint: the sliding TTL counts from now, and the retention hold with it."""
+        stamp = now()
+        manifest.last_hit_at = max(stamp, manifest.last_hit_at or 0.0)
+        self.usage_log.hit(self.tenant, manifest.session_id, stamp)
+        self._retain(manifest)
+
+    async def hint(self, session_id: str, hint: HintKind | Hint, expected_s: float | None = None) -> HintResult:
+        """Tell the store what comes next for a session (see `agentstate.hints`).
+
+        `paused`: a tool call started, expected back in `expected_s` seconds: its chunks stay in
+        the fast tiers (evicted after everything not expected back sooner) for a bounded time.
+        `resuming`: its next turn is imminent: chunks only the slow tiers (LMDB, remote) hold are
+        brought up into host memory now, and held there until the resume (or
+        `hint_resuming_hold_s`). `done`: release it early: its chunks go first under pressure.
+        Hints are advice: they never change what is stored, and a bad one changes nothing.
+        """
+        parsed = Hint.parse(hint, expected_s)
+        manifest = await self._manifest(session_id)
+        keys = _named(manifest)
+        name = f"hint:{self.tenant}/{session_id}"
+        stamp = now()
+        held_until = expected_back = None
+        moved = moved_bytes = 0
+        self.usage_log.add(self.tenant, session_id, {"hints": 1})
+        if parsed.hint == "done":
+            self.chunks.release(f"retain:{self.tenant}/{session_id}")
+            self.chunks.release(name, keys)
+        else:
+            self._hit(manifest)
+            if parsed.hint == "paused":
+                assert parsed.expected_s is not None
+                hold_s = paused_hold_s(
+                    parsed.expected_s, manifest.num_tokens * self.spec.token_bytes,
+                    reload_bytes_per_s=self.config.hint_reload_bytes_per_s, max_hold_s=self.config.hint_max_hold_s,
+                )  # fmt: skip
+                back_in = parsed.expected_s
+            else:
+                hold_s, back_in = self.config.hint_resuming_hold_s, 0.0
+            self.chunks.hold(name, self.tenant, keys, for_s=hold_s, back_in_s=back_in)
+            held_until, expected_back = stamp + hold_s, stamp + back_in
+            if parsed.hint == "resuming":
+                with self.chunks.pinned(keys):
+                    await self.chunks.discover(keys)
+                    moved, moved_bytes = await self.chunks.warm(keys, _key_tokens(manifest))
+        memory = self.chunks.memory_tier
+        in_memory = (await self.chunks.resident(keys)).get(memory, (0, 0))[0] if memory else 0
+        held = self.chunks.held_bytes(self.tenant).get(memory or "", 0)
+        share = self.chunks.tier_capacity(memory) if memory else None
+        return HintResult(
+            session_id=session_id, hint=parsed.hint, held_until=held_until, expected_back_at=expected_back,
+            chunks=len(keys), in_memory=in_memory, moved_chunks=moved, moved_bytes=moved_bytes,
+            tenant_held_bytes=held,
+            tenant_share_bytes=None if share is None else int(share * self.config.hint_tenant_share),
+        )  # fmt: skip
+
+    async def paused(self, session_id: str, expected_s: float) -> HintResult:
+        """A tool call started; the session is expected back in `expected_s` seconds."""
+        return await self.hint(session_id, "paused", expected_s)
+
+    async def resuming(self, session_id: str) -> HintResult:
+        """The session's next turn is imminent: bring it up into host memory now."""
+        return await self.hint(session_id, "resuming")
+
+    async def done(self, session_id: str) -> HintResult:
+        """The session will not be back soon: release its place in the fast tiers."""
+        return await self.hint(session_id, "done")
+
+    async def usage(self, session_id: str | None = None) -> Usage:
+        """Accounting of one session, or of this tenant (all its sessions, loads and prefixes,
+        deleted sessions included): exact, what this process counted included."""
+        if session_id is None:
+            return Usage.of(self.tenant, None, await self.usage_log.read(self.tenant, None))
+        manifest = await self._manifest(session_id)
+        counts = await self.usage_log.read(self.tenant, session_id)
+        resident = await self.chunks.resident(_named(manifest))
+        stored = {tier: size for tier, (n, size) in resident.items() if n}
+        return Usage.of(self.tenant, session_id, counts, last_hit_at=manifest.last_hit_at, bytes_stored=stored)
 
     async def gc(self) -> int:
         """Delete expired sessions, then chunks and tails nothing references; returns how many went.
@@ -266,7 +395,7 @@ class SessionOps(StoreBase):
         """
         removed = 0
         for manifest in await self.catalog.manifests(self.tenant):
-            if manifest.expired():
+            if self._hit_known(manifest).expired():
                 with contextlib.suppress(SessionNotFoundError):
                     await self.delete(manifest.session_id)
                     removed += 1
@@ -282,17 +411,32 @@ class SessionOps(StoreBase):
 
 def _check_options(*, ttl_seconds: Any, pinned: Any, expected_version: Any, force: Any) -> None:
     """Snapshot options, checked before anything is written."""
-    if ttl_seconds is not None:
-        if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int | float):
-            raise InvalidArgumentError(f"ttl_seconds must be a number of seconds, got {type(ttl_seconds).__name__}")
-        if not math.isfinite(ttl_seconds) or ttl_seconds <= 0:
-            raise InvalidArgumentError(f"ttl_seconds must be finite and > 0, got {ttl_seconds!r}")
+    _check_seconds("ttl_seconds", ttl_seconds)
     if not isinstance(pinned, bool) or not isinstance(force, bool):
         raise InvalidArgumentError("pinned and force must be booleans")
     if expected_version is not None and (
         isinstance(expected_version, bool) or not isinstance(expected_version, int) or expected_version < 0
     ):
         raise InvalidArgumentError(f"expected_version must be an int >= 0, got {expected_version!r}")
+
+
+def _check_seconds(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgumentError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be finite and > 0, got {value!r}")
+
+
+def _named(manifest: SessionManifest) -> list[str]:
+    """Every key a session's KV is in: its chunks, then its tail."""
+    return [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
+
+
+def _key_tokens(manifest: SessionManifest) -> list[int]:
+    """Tokens in each of `_named(manifest)`."""
+    return [manifest.chunk_tokens] * len(manifest.chunk_keys) + ([manifest.tail_tokens] if manifest.tail_key else [])
 
 
 def _manifest_or_invalid(**fields: Any) -> SessionManifest:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,11 +13,11 @@ import torch
 from pydantic import BaseModel
 
 from agentstate.backends.base import BackendStats
+from agentstate.chunks import PrefetchHandle, PrefetchPolicy, deadline_for
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, InvalidArgumentError
 from agentstate.keys import ChunkKey, token_array
 from agentstate.manifest import MatchResult
-from agentstate.chunks import PrefetchHandle, PrefetchPolicy, deadline_for
 from agentstate.sessions import SessionOps, _leading
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget
@@ -106,17 +107,22 @@ class StateStore(SessionOps):
         if not prefix:
             return 0
         new: list[int] = []
+        written = 0
         try:
             with self.chunks.pinned(keys):
                 new = await self.chunks.missing(keys, durable=False)
                 if new:
-                    await self.chunks.write([keys[i] for i in new], [kv[i] for i in new], durable=False)
+                    written = await self.chunks.write([keys[i] for i in new], [kv[i] for i in new], durable=False)
                 await self.catalog.add_prefix(prefix)
         except BaseException:
             with contextlib.suppress(AgentStateError):  # nothing names what this call wrote
                 await self._collect([keys[i] for i in new])
             raise
-        return len(new) * self.chunk_tokens
+        c = self.chunk_tokens
+        self.usage_log.add(self.tenant, None, {
+            "tokens_written": len(new) * c, "tokens_deduped": (len(keys) - len(new)) * c, "bytes_written": written,
+        })  # fmt: skip
+        return len(new) * c
 
     async def match(self, tokens: Sequence[int] | torch.Tensor) -> MatchResult:
         """How many leading tokens are cached (whole chunks), and which tier serves each chunk."""
@@ -165,10 +171,15 @@ class StateStore(SessionOps):
             prefetch = prefetch or await self.prefetch(packed)
             await prefetch.wait(deadline)
             n = min(n, prefetch.ready(self.chunks.in_memory))
+        usage: Counter[str] = Counter()
         with self.chunks.pinned(keys[:n]):
-            ok = await self.chunks.read(keys[:n], self._spans(n), target, staged=prefetch.staged if prefetch else None)
+            staged = prefetch.staged if prefetch else None
+            ok = await self.chunks.read(keys[:n], self._spans(n), target, staged=staged, usage=usage)
         target.synchronize()
-        return _leading(ok) * self.chunk_tokens
+        landed = _leading(ok) * self.chunk_tokens
+        usage.update(loads=1, tokens_read=landed, tokens_recomputed=len(packed) - landed)
+        self.usage_log.add(self.tenant, None, usage)
+        return landed
 
     async def stats(self) -> StoreStats:
         return StoreStats(

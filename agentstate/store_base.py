@@ -16,13 +16,13 @@ import torch
 from typing_extensions import Self
 
 from agentstate.catalog import Catalog, LMDBCatalog
-from agentstate.chunks import ChunkStore
+from agentstate.chunks import ChunkStore, Span
 from agentstate.config import StoreConfig
-from agentstate.errors import KVShapeError
+from agentstate.errors import AgentStateError, KVShapeError
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, ChunkKey, chunk_keys, namespace_for, validate_id
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget, TensorTarget
-from agentstate.chunks import Span
+from agentstate.usage import UsageLog
 
 log = logging.getLogger("agentstate.store")
 
@@ -43,6 +43,8 @@ class StoreBase:
         except BaseException:
             self.chunks.release_lock()  # the tiers' files close when collected; the lock must go now
             raise
+        self.usage_log = UsageLog(self.catalog, config.usage_flush_s, enabled=not read_only)
+        """accounting and hit times on their way to the catalog (one for every tenant view)"""
         self._locks: dict[str, asyncio.Lock] = {}
         self._owner = True
 
@@ -79,6 +81,10 @@ class StoreBase:
         if not self._owner:
             return
         try:
+            try:
+                await self.usage_log.close()
+            except AgentStateError as exc:  # accounting only: never keeps the data directory from closing
+                log.warning("usage not saved at close: %s", exc)
             await self.chunks.close()
         finally:
             await self.catalog.close()

@@ -96,7 +96,10 @@ async def test_ttl_expiry_and_pinning(store: StateStore, monkeypatch: pytest.Mon
     await store.snapshot("short", toks, kv, ttl_seconds=60)
     await store.snapshot("pinned", toks, kv, ttl_seconds=60, pinned=True)
     clock[0] += 59
-    assert (await store.resume("short")).complete
+    assert (await store.resume("short")).complete  # a hit: the TTL slides, counted from here
+    clock[0] += 59
+    assert (await store.resume("pinned")).complete
+    assert sorted([m.session_id async for m in store.sessions()]) == ["pinned", "short"]
     clock[0] += 2
     with pytest.raises(SessionNotFoundError):
         await store.resume("short")

@@ -8,7 +8,7 @@ and sweeps). Sessions (`StateStore`) talk to this interface only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from agentstate.manifest import SessionManifest
@@ -38,7 +38,8 @@ class Catalog(ABC):
     """True when this open found no catalog and made an empty one."""
 
     @abstractmethod
-    async def get(self, tenant: str, session_id: str) -> SessionManifest | None: ...
+    async def get(self, tenant: str, session_id: str) -> SessionManifest | None:
+        """The committed manifest, with `last_hit_at` from the session's hit record."""
 
     @abstractmethod
     async def manifests(self, tenant: str | None = None) -> list[SessionManifest]:
@@ -72,6 +73,17 @@ class Catalog(ABC):
     async def refcounts(self, keys: Sequence[str]) -> list[int]:
         """How many manifests and prefixes reference each key (a shared catalog answers 1 for all:
         it deletes nothing on the strength of a count)."""
+
+    @abstractmethod
+    async def add_usage(
+        self, deltas: Mapping[tuple[str, str], Mapping[str, int]], hits: Mapping[tuple[str, str], float]
+    ) -> None:
+        """Add counters per (tenant, session id; "" for the tenant's totals) and raise sessions'
+        last hit times, atomically. A hit of a session that no longer exists is dropped."""
+
+    @abstractmethod
+    async def usage(self, tenant: str, session_id: str) -> dict[str, int]:
+        """The counters stored for (tenant, session id; "" for the tenant's totals)."""
 
     @abstractmethod
     async def session_count(self) -> int: ...

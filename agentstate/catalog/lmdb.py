@@ -13,7 +13,8 @@ typed one (damage CorruptDataError, a full disk CapacityError, the rest BackendE
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -42,12 +43,13 @@ class LMDBCatalog(Catalog):
         self._path = Path(path)
         self.created = not (self._path / DATA_FILE).exists()
         """whether this open made a new, empty catalog (none was there)"""
-        self._env = open_env(self._path, "catalog", map_size=map_size, max_dbs=4)
+        self._env = open_env(self._path, "catalog", map_size=map_size, max_dbs=5)
         try:
             self._sessions = self._env.open_db(b"sessions")
             self._refs = self._env.open_db(b"refs")
             self._prefixes = self._env.open_db(b"prefixes")
             self._meta = self._env.open_db(b"meta")
+            self._usage = self._env.open_db(b"usage")  # tenant/session -> {"counters": {...}, "hit": t}
             self._upgrade()
         except BaseException as exc:
             self._env.close()
@@ -119,25 +121,78 @@ class LMDBCatalog(Catalog):
     def _parse(raw: bytes | memoryview) -> SessionManifest:
         return decode_manifest(raw)
 
+    def _record(self, txn: lmdb.Transaction, key: bytes) -> dict[str, object]:
+        raw = txn.get(key, db=self._usage)
+        if raw is None:
+            return {}
+        try:
+            record = json.loads(bytes(raw))
+        except ValueError:
+            return {}  # accounting only: a damaged record restarts from zero, never blocks a session
+        return record if isinstance(record, dict) else {}
+
+    def _with_hit(self, txn: lmdb.Transaction, key: bytes, raw: bytes | memoryview) -> SessionManifest:
+        manifest = self._parse(raw)
+        hit = self._record(txn, key).get("hit")
+        if isinstance(hit, int | float):
+            manifest.last_hit_at = float(hit)
+        return manifest
+
     async def get(self, tenant: str, session_id: str) -> SessionManifest | None:
         def run() -> SessionManifest | None:
-            with self._env.begin(db=self._sessions) as txn:
-                raw = txn.get(self._skey(tenant, session_id))
-            return None if raw is None else self._parse(raw)
+            key = self._skey(tenant, session_id)
+            with self._env.begin() as txn:
+                raw = txn.get(key, db=self._sessions)
+                return None if raw is None else self._with_hit(txn, key, raw)
+
+        return await self._run(run)
+
+    async def add_usage(
+        self, deltas: Mapping[tuple[str, str], Mapping[str, int]], hits: Mapping[tuple[str, str], float]
+    ) -> None:
+        def run(txn: lmdb.Transaction) -> None:
+            for (tenant, session_id), counts in deltas.items():
+                key = self._skey(tenant, session_id)
+                if session_id and txn.get(key, db=self._sessions) is None:
+                    continue  # removed meanwhile: only its tenant's totals keep its counts
+                record = self._record(txn, key)
+                counters = record.get("counters")
+                counters = dict(counters) if isinstance(counters, dict) else {}
+                for what, n in counts.items():
+                    counters[what] = int(counters.get(what, 0)) + int(n)
+                record["counters"] = counters
+                txn.put(key, json.dumps(record).encode(), db=self._usage)
+            for (tenant, session_id), at in hits.items():
+                key = self._skey(tenant, session_id)
+                if txn.get(key, db=self._sessions) is None:
+                    continue
+                record = self._record(txn, key)
+                old = record.get("hit")
+                record["hit"] = max(float(at), float(old) if isinstance(old, int | float) else 0.0)
+                txn.put(key, json.dumps(record).encode(), db=self._usage)
+
+        if deltas or hits:
+            await self._write(run)
+
+    async def usage(self, tenant: str, session_id: str) -> dict[str, int]:
+        def run() -> dict[str, int]:
+            with self._env.begin() as txn:
+                counters = self._record(txn, self._skey(tenant, session_id)).get("counters")
+            return {str(k): int(v) for k, v in counters.items()} if isinstance(counters, dict) else {}
 
         return await self._run(run)
 
     async def manifests(self, tenant: str | None = None) -> list[SessionManifest]:
         def run() -> list[SessionManifest]:
             prefix = b"" if tenant is None else f"{tenant}/".encode()
-            with self._env.begin(db=self._sessions) as txn:
-                cursor = txn.cursor()
+            with self._env.begin() as txn:
+                cursor = txn.cursor(db=self._sessions)
                 found = cursor.set_range(prefix)
-                raws = []
+                out = []
                 while found and cursor.key().startswith(prefix):
-                    raws.append(cursor.value())
+                    out.append(self._with_hit(txn, bytes(cursor.key()), cursor.value()))
                     found = cursor.next()
-            return [self._parse(raw) for raw in raws]
+            return out
 
         return await self._run(run)
 
@@ -171,6 +226,7 @@ class LMDBCatalog(Catalog):
             raw = txn.pop(self._skey(tenant, session_id), db=self._sessions)
             if raw is None:
                 return None, []
+            txn.delete(self._skey(tenant, session_id), db=self._usage)  # its tenant's totals stay
             old = self._parse(raw)
             return old, self._add_refs(txn, named_keys(old), -1)
 

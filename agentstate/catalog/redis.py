@@ -7,6 +7,9 @@ make the session, and the remote tier (the record tier in this mode) holds them.
   and `tail`. A commit is one Lua script on that one key: it writes only if the stored version is
   the one the writer started from, so two hosts writing one session never interleave; the loser
   gets a ConflictError (or retries on top of the winner when it asked for `force`).
+- A session's last hit time (field `hit`) and its accounting (fields `u:<counter>`) live in its
+  own hash, added to by one script that does nothing when the session is gone, so they go with
+  it and never make a session appear; a tenant's totals are the hash `u/<tenant>` (HINCRBY).
 - A shared prefix is one string `x/<fingerprint>/<last chunk key>` listing its chunk keys.
 - There are no shared reference counts: keeping counts exact across hosts would need a multi-key
   transaction over every slot a manifest touches. Chunks are reclaimed instead by a mark-and-sweep
@@ -18,7 +21,7 @@ make the session, and the remote tier (the record tier in this mode) holds them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from agentstate.catalog.base import Catalog, Committed
@@ -33,6 +36,16 @@ if found ~= tonumber(ARGV[1]) then return {0, found} end
 local old = redis.call('HGET', KEYS[1], 'tail') or ''
 redis.call('HSET', KEYS[1], 'version', ARGV[2], 'body', ARGV[3], 'tail', ARGV[4])
 return {1, old}
+"""
+
+_USAGE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if ARGV[1] ~= '' then
+  local old = tonumber(redis.call('HGET', KEYS[1], 'hit') or '0') or 0
+  if tonumber(ARGV[1]) > old then redis.call('HSET', KEYS[1], 'hit', ARGV[1]) end
+end
+for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], 'u:' .. ARGV[i], ARGV[i + 1]) end
+return 1
 """
 
 _REMOVE = """
@@ -67,13 +80,50 @@ class RedisCatalog(Catalog):
         return f"{self._prefix}m/{tenant}/{session_id}"
 
     @staticmethod
-    def _parse(raw: bytes | None) -> SessionManifest | None:
-        return None if raw is None else decode_manifest(raw)
+    def _parse(raw: bytes | None, hit: bytes | None = None) -> SessionManifest | None:
+        if raw is None:
+            return None
+        manifest = decode_manifest(raw)
+        if hit:
+            try:
+                manifest.last_hit_at = float(hit)
+            except ValueError:
+                pass  # a damaged hit time: the TTL counts from the last write
+        return manifest
+
+    def _tkey(self, tenant: str) -> str:
+        return f"{self._prefix}u/{tenant}"
 
     # -- sessions ------------------------------------------------------------------------------
 
     async def get(self, tenant: str, session_id: str) -> SessionManifest | None:
-        return self._parse(await self._call(lambda: self._client.hget(self._skey(tenant, session_id), "body")))
+        body, hit = await self._call(lambda: self._client.hmget(self._skey(tenant, session_id), ["body", "hit"]))
+        return self._parse(body, hit)
+
+    async def add_usage(
+        self, deltas: Mapping[tuple[str, str], Mapping[str, int]], hits: Mapping[tuple[str, str], float]
+    ) -> None:
+        async def run() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            for (tenant, session_id), counts in deltas.items():
+                if not session_id:
+                    for what, n in counts.items():
+                        pipe.hincrby(self._tkey(tenant), what, int(n))
+            for tenant, session_id in {k for k in [*deltas, *hits] if k[1]}:
+                at = hits.get((tenant, session_id))
+                pairs = [x for what, n in deltas.get((tenant, session_id), {}).items() for x in (what, int(n))]
+                pipe.eval(_USAGE, 1, self._skey(tenant, session_id), "" if at is None else repr(float(at)), *pairs)
+            await pipe.execute()
+
+        if deltas or hits:
+            await self._call(run)
+
+    async def usage(self, tenant: str, session_id: str) -> dict[str, int]:
+        if not session_id:
+            raw = await self._call(lambda: self._client.hgetall(self._tkey(tenant)))
+            return {_text(k): int(v) for k, v in raw.items()}
+        raw = await self._call(lambda: self._client.hgetall(self._skey(tenant, session_id)))
+        return {_text(k)[2:]: int(v) for k, v in raw.items() if _text(k).startswith("u:")}
 
     async def version(self, tenant: str, session_id: str) -> int:
         raw = await self._call(lambda: self._client.hget(self._skey(tenant, session_id), "version"))
@@ -94,11 +144,11 @@ class RedisCatalog(Catalog):
         async def run() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
-                pipe.hget(key, "body")
+                pipe.hmget(key, ["body", "hit"])
             return list(await pipe.execute())
 
-        bodies = await self._call(run) if keys else []
-        return [m for m in (self._parse(b) for b in bodies) if m is not None]
+        rows = await self._call(run) if keys else []
+        return [m for m in (self._parse(body, hit) for body, hit in rows) if m is not None]
 
     async def commit(self, manifest: SessionManifest, expected_version: int | None) -> Committed:
         """Write `manifest` if the stored version is `expected_version` (None: must not exist)."""
@@ -154,6 +204,10 @@ class RedisCatalog(Catalog):
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 def _glob_escape(text: str) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,18 +29,19 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from agentstate.backends.base import Backend, BackendStats, ReadSink, io_pool
-from agentstate.chunks.lock import DataDirLock
-from agentstate.chunks.registry import CAPACITY_MANAGED, build_backend
-from agentstate.config import StoreConfig, TierConfig
-from agentstate.errors import InvalidArgumentError
+from agentstate.chunks.holds import Hold, Holds
 from agentstate.chunks.index import ChunkIndex
 from agentstate.chunks.io import Batch, IOEngine, batches
+from agentstate.chunks.lock import DataDirLock
 from agentstate.chunks.prefetch import PrefetchHandle
+from agentstate.chunks.registry import CAPACITY_MANAGED, build_backend
+from agentstate.chunks.tiers import Tier, TierManager, Value
+from agentstate.chunks.transfer import Span, Transfer
+from agentstate.config import StoreConfig, TierConfig
+from agentstate.errors import InvalidArgumentError
 from agentstate.memory import BufferPool
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget
-from agentstate.chunks.tiers import Tier, TierManager, Value
-from agentstate.chunks.transfer import Span, Transfer
 
 log = logging.getLogger("agentstate.chunks")
 RefCounts = Callable[[list[str]], Awaitable[list[int]]]
@@ -113,9 +115,10 @@ class ChunkStore:
                 )
             record = config.record_tier or _default_record(tiers, shared_catalog)
             self._index = ChunkIndex()
+            self._holds = Holds(share=config.hint_tenant_share)
             self._manager = TierManager(
                 tiers, self._index, record=record, policy=config.write_policy,
-                threshold=config.write_through_threshold, exclusive=config.exclusive,
+                threshold=config.write_through_threshold, exclusive=config.exclusive, holds=self._holds,
             )  # fmt: skip
         except BaseException:
             self._lock.release()
@@ -217,6 +220,70 @@ class ChunkStore:
         finally:
             self._index.unpin(keys)
 
+    # -- holds (hints and retention: what is expected back in the fast tiers) ---------------------
+
+    def hold(self, name: str, owner: str, keys: Sequence[str], *, for_s: float, back_in_s: float = math.inf) -> Hold:
+        """Ask the cache tiers to keep `keys` for `for_s` seconds, expected back in `back_in_s`
+        (replaces the hold called `name`). Soft: see `holds.py` for what eviction does with it."""
+        return self._holds.set(name, owner, keys, for_s=for_s, back_in_s=back_in_s)
+
+    def held(self, name: str) -> Hold | None:
+        return self._holds.get(name)
+
+    def release(self, name: str, keys: Sequence[str] = ()) -> None:
+        """End the hold `name`; `keys` no other hold names go first in line for eviction."""
+        self._holds.drop(name)
+        self._manager.release(keys)
+
+    def held_bytes(self, owner: str) -> dict[str, int]:
+        """Per cache tier, the bytes the holds of `owner` claim there and that count (within its share)."""
+        return {
+            t.name: self._holds.held_bytes(owner, t.lru, t.capacity)
+            for t in self._manager.tiers
+            if t.capacity is not None and t is not self._record
+        }
+
+    def tier_capacity(self, name: str) -> int | None:
+        """A tier's byte capacity (None: unbounded, or managed by the backend itself)."""
+        return self._manager.tier(name).capacity
+
+    @property
+    def memory_tier(self) -> str | None:
+        """The host memory cache tier that `warm` fills (None when the store has none)."""
+        for t in self._manager.tiers:
+            if not t.is_device and not t.backend.durable and not t.backend.remote and t.capacity is not None:
+                return t.name
+        return None
+
+    async def warm(self, keys: Sequence[str], tokens: Sequence[int]) -> tuple[int, int]:
+        """Bring the chunks of `keys` (`tokens[i]` tokens each) that the host memory tier lacks up
+        from the slower tiers now, so that the read that follows finds them there; returns the
+        chunks and bytes moved. Keys must be pinned. A chunk no tier holds intact stays where it is."""
+        name = self.memory_tier
+        if name is None:
+            return 0, 0
+        tier = self._manager.tier(name)
+        todo = [(k, n) for k, n in zip(keys, tokens) if k and not self._index.holds(k, name)]
+        if not todo:
+            return 0, 0
+        await self._manager.discover([k for k, _ in todo])
+        got = await self._transfer.fetch([k for k, _ in todo], [n for _, n in todo], promote=False)
+        if got:
+            await self._manager.put(tier, list(got), list(got.values()))
+        return len(got), sum(len(v) for v in got.values())
+
+    async def resident(self, keys: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """Per tier, how many of `keys` it holds (as this process knows) and their stored bytes."""
+        out: dict[str, tuple[int, int]] = {}
+        for tier in self._manager.tiers:
+            held = [k for k in dict.fromkeys(keys) if k and self._index.holds(k, tier.name)]
+            if tier.capacity is not None:
+                sizes = [tier.lru.get(k, 0) for k in held]
+            else:
+                sizes = await tier.backend.sizes(held) if held else []
+            out[tier.name] = (len(held), sum(sizes))
+        return out
+
     async def settle(self, keys: Sequence[str]) -> None:
         """Wait for deletes of any of `keys` that started before they were pinned."""
         waits = {self._deleting[k] for k in keys if k in self._deleting}
@@ -265,11 +332,13 @@ class ChunkStore:
     # -- reads ----------------------------------------------------------------------------------
 
     async def read(
-        self, keys: Sequence[str], spans: Sequence[Span], target: KVTarget, *, staged: dict[str, Value] | None = None
-    ) -> list[bool]:
+        self, keys: Sequence[str], spans: Sequence[Span], target: KVTarget, *, staged: dict[str, Value] | None = None,
+        usage: Counter[str] | None = None,
+    ) -> list[bool]:  # fmt: skip
         """Restore chunk `keys[i]` into `target` at `spans[i]`; which ones arrived intact. Keys
-        must be pinned. A corrupt or missing copy is dropped and the next tier tried."""
-        return await self._transfer.read(keys, spans, target, staged=staged)
+        must be pinned. A corrupt or missing copy is dropped and the next tier tried. `usage`
+        counts the bytes read from each tier (`bytes_read:<tier>`), for the caller's accounting."""
+        return await self._transfer.read(keys, spans, target, staged=staged, usage=usage)
 
     async def fetch(self, keys: Sequence[str], tokens: Sequence[int]) -> dict[str, Value]:
         """Read and check chunks into owned host buffers (prefetch staging)."""
@@ -389,12 +458,13 @@ class ChunkStore:
     async def evict(
         self, tier_name: str, *, budget_bytes: int | None = None, keys: Sequence[str] | None = None
     ) -> EvictResult:
-        """Drop copies from a cache tier: oldest first down to `budget_bytes`, or exactly `keys`.
-        A copy no lower tier holds is written down first; pinned chunks stay."""
+        """Drop copies from a cache tier: in eviction order (unheld oldest first, then held) down to
+        `budget_bytes`, or exactly `keys`. A copy no lower tier holds is written down first; pinned
+        chunks stay."""
         tier = self._cache_tier(tier_name)
         demoted_before = self._manager.counts["demotions"]
         async with tier.lock:
-            names = list(tier.lru)
+            names = self._manager.eviction_order(tier)
             sizes = dict(tier.lru) if tier.capacity is not None else dict(zip(names, await tier.backend.sizes(names)))
             used = before = sum(sizes.values())
             victims = [k for k in dict.fromkeys(keys) if k in sizes] if keys is not None else names

@@ -1,7 +1,8 @@
 """The tier manager: ordered tiers, byte capacities, LRU, promotion, demotion, write policies.
 
 Tiers are ordered fast to slow. Exactly one is the *record* tier (durable; sessions commit to
-it); tiers above it are caches with a byte capacity, evicted LRU over unpinned chunks. A victim
+it); tiers above it are caches with a byte capacity, evicted LRU over unpinned chunks, except that
+chunks a hold names (agent hints, retention: `holds.py`) go last. A victim
 that no tier below holds is written down first (demotion), so eviction never loses the only
 copy. Accounting is by value bytes and exact: a tier's used bytes never exceed its capacity.
 
@@ -24,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from agentstate.backends.base import Backend
-from agentstate.errors import AgentStateError, CapacityError, InvalidArgumentError
+from agentstate.chunks.holds import Holds, victim
 from agentstate.chunks.index import ChunkIndex
+from agentstate.errors import AgentStateError, CapacityError, InvalidArgumentError
 from agentstate.memory import copy_bytes
 
 log = logging.getLogger("agentstate.chunks.tiers")
@@ -58,6 +60,7 @@ class TierManager:
         policy: WritePolicy = "write_through",
         threshold: int = 2,
         exclusive: bool = False,
+        holds: Holds | None = None,
     ) -> None:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
@@ -72,6 +75,7 @@ class TierManager:
         self.policy = policy
         self.threshold = threshold
         self.exclusive = exclusive
+        self.holds = holds if holds is not None else Holds()
         self.counts: Counter[str] = Counter()
         self.tier_counts: Counter[tuple[str, str]] = Counter()
         """(tier, what) -> amount: hits, misses, read_bytes, written_bytes, corrupt, evictions, promotions,
@@ -178,8 +182,9 @@ class TierManager:
         async with tier.lock if tier.capacity is not None else contextlib.nullcontext():
             new = [(k, stored[k]) for k in originals if k not in tier.lru]
             fits, spill = [], []
+            plan = self.holds.plan(tier.lru, tier.capacity) if tier.capacity is not None and new else {}
             for key, value in new:
-                if tier.capacity is None or await self._make_room(tier, len(value), {k for k, _ in new}):
+                if tier.capacity is None or await self._make_room(tier, len(value), {k for k, _ in new}, plan):
                     tier.used += len(value)  # reserve now, so later items of the batch see it
                     tier.lru[key] = len(value)
                     tier.inflight[key] = done
@@ -223,19 +228,36 @@ class TierManager:
             if tier.lru.pop(key, None) is not None:
                 tier.used -= len(value)
 
-    async def _make_room(self, tier: Tier, size: int, keep: set[str]) -> bool:
-        """Evict LRU unpinned chunks until `size` more bytes fit. Caller holds `tier.lock`."""
+    async def _make_room(self, tier: Tier, size: int, keep: set[str], plan: dict[str, float]) -> bool:
+        """Evict unpinned chunks until `size` more bytes fit: LRU among the unheld ones, then the held
+        one expected back last (`plan`, from `Holds.plan`). Caller holds `tier.lock`."""
         assert tier.capacity is not None
         if size > tier.capacity:
             return False
+
+        def can_go(key: str) -> bool:
+            return key not in keep and key not in tier.inflight and not self.index.pinned(key)
+
         while tier.used + size > tier.capacity:
-            victim = next(
-                (k for k in tier.lru if k not in keep and k not in tier.inflight and not self.index.pinned(k)), None
-            )
-            if victim is None:
+            key = victim(tier.lru, can_go, plan)
+            if key is None:
                 return False
-            await self.evict(tier, victim)
+            await self.evict(tier, key)
         return True
+
+    def eviction_order(self, tier: Tier) -> list[str]:
+        """The keys of a cache tier in the order eviction takes them (unheld LRU, then held)."""
+        plan = self.holds.plan(tier.lru, tier.capacity)
+        unheld = [k for k in tier.lru if k not in plan]
+        return unheld + sorted(plan, key=lambda k: -plan[k])
+
+    def release(self, keys: Sequence[str]) -> None:
+        """Put `keys` first in line for eviction in every cache tier (a session that is done)."""
+        for tier in self.tiers:
+            if tier is not self.record and tier.capacity is not None:
+                for key in keys:
+                    if key in tier.lru and not self.holds.held(key):
+                        tier.lru.move_to_end(key, last=False)
 
     async def evict(self, tier: Tier, key: str) -> None:
         """Drop `key` from a cache tier, writing it down first when no tier below holds it."""

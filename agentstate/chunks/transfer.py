@@ -18,12 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from agentstate import codec
-from agentstate.errors import AgentStateError
 from agentstate.chunks.io import IOEngine, batches
+from agentstate.chunks.tiers import Tier, TierManager, Value
+from agentstate.errors import AgentStateError
 from agentstate.memory import copy_bytes, host_buffer
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget
-from agentstate.chunks.tiers import Tier, TierManager, Value
 
 log = logging.getLogger("agentstate.chunks.transfer")
 Span = tuple[int, int]  # (first token, number of tokens)
@@ -82,8 +82,9 @@ class Transfer:
     # -- reads ---------------------------------------------------------------------------------
 
     async def read(
-        self, keys: Sequence[str], spans: Sequence[Span], target: KVTarget, *, staged: dict[str, Value] | None = None
-    ) -> list[bool]:
+        self, keys: Sequence[str], spans: Sequence[Span], target: KVTarget, *, staged: dict[str, Value] | None = None,
+        usage: Counter[str] | None = None,
+    ) -> list[bool]:  # fmt: skip
         """Restore chunk `keys[i]` into `target` at `spans[i]`; which ones arrived intact.
 
         Chunks in `staged` (checked buffers a prefetch already holds) are copied from there.
@@ -103,20 +104,23 @@ class Transfer:
                     ok[i] = True
 
             await asyncio.get_running_loop().run_in_executor(self.pool, copy)
+            if usage is not None:
+                usage["bytes_read:staged"] += sum(len(staged[keys[i]]) for i in from_staged)
         rest = [i for i in range(len(keys)) if not ok[i]]
 
         def into_target(j: int, src: torch.Tensor) -> None:
             target.write(spans[rest[j]][0], src)
 
-        got = await self._read([keys[i] for i in rest], [spans[i][1] for i in rest], into_target)
+        got = await self._read([keys[i] for i in rest], [spans[i][1] for i in rest], into_target, usage=usage)
         for i, good in zip(rest, got):
             ok[i] = good
         return ok
 
-    async def fetch(self, keys: Sequence[str], tokens: Sequence[int]) -> dict[str, Value]:
-        """Read and check chunks into owned host buffers (staging for prefetch)."""
+    async def fetch(self, keys: Sequence[str], tokens: Sequence[int], *, promote: bool = True) -> dict[str, Value]:
+        """Read and check chunks into owned host buffers (staging for prefetch); `promote=False`
+        leaves promotion to the caller (which puts them where it wants)."""
         staged: dict[str, Value] = {}
-        await self._read(keys, tokens, None, staged)
+        await self._read(keys, tokens, None, staged, promote=promote)
         return staged
 
     async def _read(
@@ -125,6 +129,9 @@ class Transfer:
         tokens: Sequence[int],
         deliver: Callable[[int, torch.Tensor], None] | None,
         staged: dict[str, Value] | None = None,
+        *,
+        usage: Counter[str] | None = None,
+        promote: bool = True,
     ) -> list[bool]:
         ok = [False] * len(keys)
         pending = list(range(len(keys)))
@@ -134,8 +141,9 @@ class Transfer:
             todo = [i for i in pending if self.manager.index.holds(keys[i], tier.name)]
             if todo:
                 got = await self._read_tier(
-                    tier, [keys[i] for i in todo], [tokens[i] for i in todo], _remap(deliver, todo), staged
-                )
+                    tier, [keys[i] for i in todo], [tokens[i] for i in todo], _remap(deliver, todo), staged,
+                    usage=usage, promote=promote,
+                )  # fmt: skip
                 for i, good in zip(todo, got):
                     ok[i] = good
             # A miss of a tier: a chunk that reached it (no faster tier served it) and that it did not serve.
@@ -153,6 +161,9 @@ class Transfer:
         deliver: Callable[[int, torch.Tensor], None] | None,
         staged: dict[str, Value] | None,
         account: bool = True,
+        *,
+        usage: Counter[str] | None = None,
+        promote: bool = True,
     ) -> list[bool]:
         status = ["missing"] * len(keys)
         sizes_read = [0] * len(keys)
@@ -198,12 +209,15 @@ class Transfer:
             self.manager.count(tier, corrupt=len(corrupt))
         if account:
             self.manager.count(tier, read_bytes=sum(sizes_read))
+        if usage is not None:
+            usage[f"bytes_read:{tier.name}"] += sum(sizes_read)
         await self._forget(tier, missing, corrupt)
         if staged is not None:
             staged.update(owned)
         good = [i for i, s in enumerate(status) if s == "ok"]
-        await self.manager.hit(tier, [keys[i] for i in good], owned if self.promote else {}, account=account)
-        if self.promote and staged is None and good and tier is not self.manager.tiers[0]:
+        promote = self.promote and promote
+        await self.manager.hit(tier, [keys[i] for i in good], owned if promote else {}, account=account)
+        if promote and staged is None and good and tier is not self.manager.tiers[0]:
             # Promote off the critical path: re-read the (now warm) chunks into owned buffers later.
             self._spawn(self._read_tier(tier, [keys[i] for i in good], [tokens[i] for i in good], None, {}, False))
         return [s == "ok" for s in status]

@@ -25,8 +25,8 @@ from fastapi import Depends, FastAPI, Request, Response
 
 from agentstate import codec
 from agentstate.errors import CorruptDataError, InvalidArgumentError
-from agentstate.server.gate import ServiceContext, admit, frame_response, off_loop, read_body
 from agentstate.keys import CHUNK_PREFIX, ChunkKey, chunk_keys, token_array
+from agentstate.server.gate import ServiceContext, admit, frame_response, off_loop, read_body
 from agentstate.store import StateStore
 from agentstate.wire import (
     CHUNK_TYPE,
