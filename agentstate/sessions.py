@@ -324,21 +324,29 @@ class SessionOps(StoreBase):
         """
         parsed = Hint.parse(hint, expected_s)
         manifest = await self._manifest(session_id)
-        keys = _named(manifest)
-        name = f"hint:{self.tenant}/{session_id}"
-        stamp = now()
-        held_until = expected_back = None
-        moved = moved_bytes = 0
         self.usage_log.add(self.tenant, session_id, {"hints": 1})
         if parsed.hint == "done":
             self.chunks.release(f"retain:{self.tenant}/{session_id}")
-            self.chunks.release(name, keys)
         else:
             self._hit(manifest)
+        return await self._apply_hint(
+            f"hint:{self.tenant}/{session_id}", session_id, _named(manifest), _key_tokens(manifest), parsed
+        )
+
+    async def _apply_hint(
+        self, name: str, session_id: str, keys: list[str], tokens: list[int], parsed: Hint
+    ) -> HintResult:
+        """Place (or release) the hold `name` on `keys` (`tokens[i]` tokens each) that `parsed` asks for."""
+        stamp = now()
+        held_until = expected_back = None
+        moved = moved_bytes = 0
+        if parsed.hint == "done":
+            self.chunks.release(name, keys)
+        else:
             if parsed.hint == "paused":
                 assert parsed.expected_s is not None
                 hold_s = paused_hold_s(
-                    parsed.expected_s, manifest.num_tokens * self.spec.token_bytes,
+                    parsed.expected_s, sum(tokens) * self.spec.token_bytes,
                     reload_bytes_per_s=self.config.hint_reload_bytes_per_s, max_hold_s=self.config.hint_max_hold_s,
                 )  # fmt: skip
                 back_in = parsed.expected_s
@@ -349,16 +357,16 @@ class SessionOps(StoreBase):
             if parsed.hint == "resuming":
                 with self.chunks.pinned(keys):
                     await self.chunks.discover(keys)
-                    moved, moved_bytes = await self.chunks.warm(keys, _key_tokens(manifest))
+                    moved, moved_bytes = await self.chunks.warm(keys, tokens)
         memory = self.chunks.memory_tier
         in_memory = (await self.chunks.resident(keys)).get(memory, (0, 0))[0] if memory else 0
         held = self.chunks.held_bytes(self.tenant).get(memory or "", 0)
-        share = self.chunks.tier_capacity(memory) if memory else None
+        capacity = self.chunks.tier_capacity(memory) if memory else None
         return HintResult(
             session_id=session_id, hint=parsed.hint, held_until=held_until, expected_back_at=expected_back,
             chunks=len(keys), in_memory=in_memory, moved_chunks=moved, moved_bytes=moved_bytes,
             tenant_held_bytes=held,
-            tenant_share_bytes=None if share is None else int(share * self.config.hint_tenant_share),
+            tenant_share_bytes=None if capacity is None else int(capacity * self.config.hint_tenant_share),
         )  # fmt: skip
 
     async def paused(self, session_id: str, expected_s: float) -> HintResult:

@@ -16,7 +16,8 @@ from agentstate.backends.base import BackendStats
 from agentstate.chunks import PrefetchHandle, PrefetchPolicy, deadline_for
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, InvalidArgumentError
-from agentstate.keys import ChunkKey, token_array
+from agentstate.hints import Hint, HintKind, HintResult
+from agentstate.keys import ChunkKey, token_array, validate_id
 from agentstate.manifest import MatchResult
 from agentstate.sessions import SessionOps, _leading
 from agentstate.spec import ModelSpec
@@ -180,6 +181,25 @@ class StateStore(SessionOps):
         usage.update(loads=1, tokens_read=landed, tokens_recomputed=len(packed) - landed)
         self.usage_log.add(self.tenant, None, usage)
         return landed
+
+    async def hint_tokens(
+        self, name: str, tokens: Sequence[int] | torch.Tensor, hint: HintKind | Hint, expected_s: float | None = None
+    ) -> HintResult:
+        """A hint about the cached prefix of `tokens` rather than a named session: what an engine
+        that stores chunks by prefix (the vLLM connector) sends when the request carries one.
+
+        `name` identifies the agent session to the caller (one hold per name and tenant; a later
+        hint under the same name replaces it). Same meaning as `hint`: `paused` holds the prefix
+        in the fast tiers, `resuming` brings it up into host memory, `done` releases it.
+        """
+        validate_id(name, "hint name")
+        parsed = Hint.parse(hint, expected_s)
+        keys = self._keys(token_array(tokens))
+        keys = keys[: await self.chunks.lookup(keys)]
+        self.usage_log.add(self.tenant, None, {"hints": 1})
+        return await self._apply_hint(
+            f"prefix:{self.tenant}/{name}", name, list(keys), [self.chunk_tokens] * len(keys), parsed
+        )
 
     async def stats(self) -> StoreStats:
         return StoreStats(

@@ -83,6 +83,8 @@ class UsageLog:
         self._interval_s = interval_s
         self._deltas: dict[UsageKey, Counter[str]] = {}
         self._hits: dict[UsageKey, float] = {}
+        self.totals: dict[str, Counter[str]] = {}
+        """per tenant, every count of this process since it started (Prometheus counters)"""
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -92,6 +94,7 @@ class UsageLog:
         counts = {k: int(v) for k, v in counts.items() if v}
         if not counts or not self._enabled:
             return
+        self.totals.setdefault(tenant, Counter()).update(counts)
         for key in [(tenant, TENANT_TOTAL), *([(tenant, session_id)] if session_id else [])]:
             self._deltas.setdefault(key, Counter()).update(counts)
         self._schedule()

@@ -136,6 +136,26 @@ async def test_resuming_brings_a_session_up_from_redis(tmp_path: Path, redis_ser
         assert (await other.usage("agent")).resumes == 2  # both hosts' resumes, one shared account
 
 
+async def test_prefix_hints_hold_and_bring_up_what_an_engine_stored_by_prefix(tmp_path: Path) -> None:
+    async with StateStore.open(config(tmp_path / "d"), SPEC4) as store:
+        toks, kv = random_tokens(TOKENS + 10, seed=1), random_kv(SPEC4, TOKENS + 10, seed=1)
+        assert await store.put_prefix(toks, kv) == TOKENS
+        await pressure(store, 10, 4)
+        result = await store.hint_tokens("agent-7", toks, "resuming")
+        assert result.chunks == 4 and result.moved_chunks == 4 and result.in_memory == 4
+        lmdb_before = await lmdb_read_bytes(store)
+        into = random_kv(SPEC4, TOKENS + 10, seed=0)
+        assert await store.load(toks, into) == TOKENS
+        assert bits_equal(into[:, :, :TOKENS], kv[:, :, :TOKENS]) and await lmdb_read_bytes(store) == lmdb_before
+        held = await store.hint_tokens("agent-7", toks, "paused", 30)
+        assert held.held_until is not None and store.chunks.held("prefix:default/agent-7") is not None
+        await store.hint_tokens("agent-7", toks, "done")
+        assert store.chunks.held("prefix:default/agent-7") is None
+        with pytest.raises(InvalidArgumentError):
+            await store.hint_tokens("../x", toks, "paused", 3)
+        assert (await store.usage()).hints == 3
+
+
 async def test_one_tenant_cannot_hold_more_than_its_share(tmp_path: Path) -> None:
     async with StateStore.open(config(tmp_path / "d", host=CHUNK_BYTES * 4 * 4, hint_tenant_share=0.5), SPEC4) as st:
         hog, other = st.for_tenant("hog"), st.for_tenant("other")
