@@ -25,6 +25,7 @@ import dataclasses
 import json as jsonlib
 import logging
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -336,6 +337,23 @@ def demo(
         raise typer.Exit(1)
 
 
+def _when(at: float | None, now: float | None = None) -> str:
+    """A wall-clock time relative to now, as an operator reads it: `in 4m10s`, `2h03m ago`, `-`."""
+    if at is None:
+        return "-"
+    delta = at - (time.time() if now is None else now)
+    left = abs(delta)
+    if left < 60:
+        text = f"{left:.0f}s"
+    elif left < 3600:
+        text = f"{int(left // 60)}m{int(left % 60):02d}s"
+    elif left < 86400:
+        text = f"{int(left // 3600)}h{int(left % 3600 // 60):02d}m"
+    else:
+        text = f"{left / 86400:.1f}d"
+    return f"in {text}" if delta >= 0 else f"{text} ago"
+
+
 def _table(*columns: str) -> Table:
     from rich.table import Table
 
@@ -366,12 +384,16 @@ def ls(
         rows = _with_store(path or DEFAULT_PATH, spec, tenant, list_sessions, read_only=True, url_hint=True)
 
     def render() -> None:
-        table = _table("session", "version", "tokens", "chunks", "tail", "size", "parent", "pinned", "ttl s")
+        table = _table(
+            "session", "version", "tokens", "chunks", "tail", "size", "parent", "pinned", "ttl s", "guaranteed",
+            "expires", "last hit",
+        )  # fmt: skip
         for r in rows:
             ttl = f"{r.ttl_seconds:g}" if r.ttl_seconds else "-"
             table.add_row(
                 r.session_id, str(r.version), str(r.tokens), str(r.chunks), str(r.tail_tokens), _size(r.bytes),
-                r.parent or "-", "yes" if r.pinned else "", ttl,
+                r.parent or "-", "yes" if r.pinned else "", ttl, _when(r.guaranteed_until),
+                "never" if r.expires_at is None else _when(r.expires_at), _when(r.last_hit_at),
             )  # fmt: skip
         out.print(table)
         out.print(f"{len(rows)} sessions")
@@ -412,6 +434,20 @@ def inspect(
             f"({len(d.chunks)} chunks of {d.chunk_tokens}, tail {d.tail_tokens}), {_size(d.bytes)}, "
             f"spec {d.fingerprint}, {d.missing} missing"
         )
+        ttl = f"ttl {d.ttl_seconds:g}s (refreshed by hits)" if d.ttl_seconds else "no ttl"
+        out.print(
+            f"retention: {'pinned' if d.pinned else ttl}, guaranteed until {_when(d.guaranteed_until)}, "
+            f"expires {'never' if d.expires_at is None else _when(d.expires_at)}, last hit {_when(d.last_hit_at)}"
+            + (f", held by a {d.hint} hint until {_when(d.hint_held_until)}" if d.hint else "")
+        )
+        if d.usage is not None:
+            u = d.usage
+            read = ", ".join(f"{tier} {_size(n)}" for tier, n in sorted(u.bytes_read.items()) if n) or "none"
+            out.print(
+                f"usage: {u.resumes} resumes, {u.snapshots} snapshots, {u.hints} hints; tokens read {u.tokens_read},"
+                f" written {u.tokens_written} (deduped {u.tokens_deduped}), recomputed {u.tokens_recomputed};"
+                f" bytes written {_size(u.bytes_written)}, read {read}"
+            )
         if d.state:
             out.print(f"state: {d.state}", markup=False)
         table = _table("#", "kind", "tokens", "size", "tiers", "key")

@@ -137,7 +137,7 @@ class SessionOps(StoreBase):
         if until is None:
             self.chunks.release(name)
         else:
-            self.chunks.hold(name, manifest.tenant, _named(manifest), for_s=until - stamp)
+            self.chunks.hold(name, manifest.tenant, _named(manifest), for_s=until - stamp, kind="retention")
 
     async def _discard_attempt(self, keys: Sequence[str], tkey: str | None, exc: BaseException) -> None:
         """Remove what a failed snapshot or fork wrote, from every tier, unless it committed after all.
@@ -352,7 +352,7 @@ class SessionOps(StoreBase):
                 back_in = parsed.expected_s
             else:
                 hold_s, back_in = self.config.hint_resuming_hold_s, 0.0
-            self.chunks.hold(name, self.tenant, keys, for_s=hold_s, back_in_s=back_in)
+            self.chunks.hold(name, self.tenant, keys, for_s=hold_s, back_in_s=back_in, kind=parsed.hint)
             held_until, expected_back = stamp + hold_s, stamp + back_in
             if parsed.hint == "resuming":
                 with self.chunks.pinned(keys):

@@ -36,6 +36,8 @@ class Hold:
     keys: tuple[str, ...]
     until: float
     back_at: float
+    kind: str = ""
+    """what placed it (a hint's kind, "retention"), for operators"""
 
 
 class Holds:
@@ -49,11 +51,13 @@ class Holds:
     def __len__(self) -> int:
         return len(self._by_name)
 
-    def set(self, name: str, owner: str, keys: Iterable[str], *, for_s: float, back_in_s: float = math.inf) -> Hold:
+    def set(
+        self, name: str, owner: str, keys: Iterable[str], *, for_s: float, back_in_s: float = math.inf, kind: str = ""
+    ) -> Hold:
         """Hold `keys` for `for_s` seconds, expected back in `back_in_s`; replaces `name`'s hold."""
         self.drop(name)
         now = time.monotonic()
-        hold = Hold(owner, tuple(dict.fromkeys(k for k in keys if k)), now + for_s, now + back_in_s)
+        hold = Hold(owner, tuple(dict.fromkeys(k for k in keys if k)), now + for_s, now + back_in_s, kind)
         self._by_name[name] = hold
         for key in hold.keys:
             self._by_key.setdefault(key, set()).add(name)

@@ -222,10 +222,12 @@ class ChunkStore:
 
     # -- holds (hints and retention: what is expected back in the fast tiers) ---------------------
 
-    def hold(self, name: str, owner: str, keys: Sequence[str], *, for_s: float, back_in_s: float = math.inf) -> Hold:
+    def hold(
+        self, name: str, owner: str, keys: Sequence[str], *, for_s: float, back_in_s: float = math.inf, kind: str = ""
+    ) -> Hold:
         """Ask the cache tiers to keep `keys` for `for_s` seconds, expected back in `back_in_s`
         (replaces the hold called `name`). Soft: see `holds.py` for what eviction does with it."""
-        return self._holds.set(name, owner, keys, for_s=for_s, back_in_s=back_in_s)
+        return self._holds.set(name, owner, keys, for_s=for_s, back_in_s=back_in_s, kind=kind)
 
     def held(self, name: str) -> Hold | None:
         return self._holds.get(name)

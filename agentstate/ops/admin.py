@@ -10,6 +10,7 @@ opening a directory under the wrong spec would show it as empty.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -146,7 +147,8 @@ def _row(store: StateStore, m: SessionManifest) -> SessionRow:
     return SessionRow(
         session_id=m.session_id, tenant=m.tenant, version=m.version, tokens=m.num_tokens, chunks=len(m.chunk_keys),
         tail_tokens=m.tail_tokens, bytes=size, parent=m.parent, pinned=m.pinned, ttl_seconds=m.ttl_seconds,
-        created_at=m.created_at, updated_at=m.updated_at,
+        created_at=m.created_at, updated_at=m.updated_at, guaranteed_until=m.guaranteed_until,
+        expires_at=m.expires_at(), last_hit_at=m.last_hit_at,
     )  # fmt: skip
 
 
@@ -170,11 +172,16 @@ async def inspect_session(store: StateStore, session_id: str) -> SessionDetail:
             tokens=m.tail_tokens if tail else m.chunk_tokens, bytes=size, tiers=holders,
         )  # fmt: skip
         chunks.append(info)
+    hold = store.chunks.held(f"hint:{m.tenant}/{m.session_id}")
     return SessionDetail(
         session_id=m.session_id, tenant=m.tenant, fingerprint=m.fingerprint, version=m.version, parent=m.parent,
         chunk_tokens=m.chunk_tokens, num_tokens=m.num_tokens, tail_tokens=m.tail_tokens, tail_key=m.tail_key,
         created_at=m.created_at, updated_at=m.updated_at, ttl_seconds=m.ttl_seconds, pinned=m.pinned, state=m.state,
         bytes=sum(c.bytes for c in chunks), missing=sum(not c.tiers for c in chunks), chunks=chunks,
+        guaranteed_until=m.guaranteed_until, expires_at=m.expires_at(), last_hit_at=m.last_hit_at,
+        hint=None if hold is None else hold.kind,
+        hint_held_until=None if hold is None else time.time() + (hold.until - time.monotonic()),
+        usage=await store.usage(session_id),
     )  # fmt: skip
 
 

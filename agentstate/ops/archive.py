@@ -74,7 +74,7 @@ from agentstate.errors import (
 from agentstate.keys import tail_key, token_array, validate_id
 from agentstate.manifest import SessionManifest, now
 from agentstate.ops.admin import QUIET, Progress
-from agentstate.sessions import _check_options, _json_object, _manifest_or_invalid
+from agentstate.sessions import _check_options, _check_seconds, _json_object, _manifest_or_invalid
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
 
@@ -100,6 +100,7 @@ class ArchivedSession(BaseModel):
     tokens: list[int]
     state: dict[str, Any]
     ttl_seconds: float | None = Field(default=None, gt=0)
+    guaranteed_until: float | None = Field(default=None, gt=0)
     pinned: bool = False
     parent: str | None = None
     chunk_tokens: int = Field(gt=0)
@@ -179,7 +180,8 @@ async def export_sessions(
                     names.append(by_key[key])
                 entry = ArchivedSession(
                     tenant=m.tenant, session_id=m.session_id, tokens=m.tokens, state=m.state,
-                    ttl_seconds=m.ttl_seconds, pinned=m.pinned, parent=m.parent, chunk_tokens=ct,
+                    ttl_seconds=m.ttl_seconds, guaranteed_until=m.guaranteed_until, pinned=m.pinned, parent=m.parent,
+                    chunk_tokens=ct,
                     chunks=names[: len(m.chunk_keys)], tail=names[len(m.chunk_keys)] if m.tail_key else None,
                 )  # fmt: skip
                 archived.append(entry)
@@ -286,8 +288,8 @@ async def _write(store: StateStore, tar: _Archive, index: ArchiveIndex, p: _Plan
         b = min(a + s.chunk_tokens, len(s.tokens))
         codec.decode_into(_member(tar, name, index), kv[:, :, a:b], key=name, fingerprint=store.fingerprint)
     await store.for_tenant(p.owner).snapshot(
-        s.session_id, s.tokens, kv, s.state, ttl_seconds=s.ttl_seconds, pinned=s.pinned,
-        expected_version=p.prev.version if p.prev else 0, force=force,
+        s.session_id, s.tokens, kv, s.state, ttl_seconds=s.ttl_seconds, guaranteed_until=s.guaranteed_until,
+        pinned=s.pinned, expected_version=p.prev.version if p.prev else 0, force=force,
     )  # fmt: skip
 
 
@@ -374,6 +376,7 @@ def _as_snapshot(scoped: StateStore, s: ArchivedSession, prev: SessionManifest |
         packed = token_array(s.tokens)
         state = _json_object(s.state)
         _check_options(ttl_seconds=s.ttl_seconds, pinned=s.pinned, expected_version=None, force=force)
+        _check_seconds("guaranteed_until", s.guaranteed_until)
         keys = scoped._keys(packed)
         version = (prev.version if prev else 0) + 1
         full = len(keys) * scoped.chunk_tokens
@@ -384,7 +387,7 @@ def _as_snapshot(scoped: StateStore, s: ArchivedSession, prev: SessionManifest |
             chunk_tokens=scoped.chunk_tokens, tokens=packed.tolist(), chunk_keys=keys, tail_key=tkey,
             state=state, version=version, parent=prev.parent if prev else None,
             created_at=prev.created_at if prev else stamp, updated_at=stamp,
-            ttl_seconds=s.ttl_seconds, pinned=s.pinned,
+            ttl_seconds=s.ttl_seconds, guaranteed_until=s.guaranteed_until, pinned=s.pinned,
         )  # fmt: skip
     except InvalidArgumentError as exc:
         raise CorruptDataError(f"archive session {scoped.tenant}/{s.session_id} would be refused: {exc}") from None

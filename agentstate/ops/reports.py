@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from agentstate.usage import Usage
+
 __all__ = ["ChunkInfo", "GcReport", "SessionDetail", "SessionRow", "dumps"]
 
 
@@ -29,6 +31,12 @@ class SessionRow(BaseModel):
     ttl_seconds: float | None
     created_at: float
     updated_at: float
+    guaranteed_until: float | None = None
+    """retention contract: never expires before this (wall clock)"""
+    expires_at: float | None = None
+    """when it expires: its sliding TTL after the last write or hit, never before `guaranteed_until` (None: never)"""
+    last_hit_at: float | None = None
+    """its last resume or hint"""
 
 
 class ChunkInfo(BaseModel):
@@ -60,6 +68,14 @@ class SessionDetail(BaseModel):
     bytes: int
     missing: int
     chunks: list[ChunkInfo]
+    guaranteed_until: float | None = None
+    expires_at: float | None = None
+    last_hit_at: float | None = None
+    hint: str | None = None
+    """the hint holding it in the fast tiers now (paused, resuming), as the serving process knows it"""
+    hint_held_until: float | None = None
+    usage: Usage | None = None
+    """its accounting: tokens read, written, recomputed; bytes per tier"""
 
 
 class GcReport(BaseModel):
