@@ -359,7 +359,7 @@ class SessionOps(StoreBase):
                     await self.chunks.discover(keys)
                     moved, moved_bytes = await self.chunks.warm(keys, tokens)
         memory = self.chunks.memory_tier
-        in_memory = (await self.chunks.resident(keys)).get(memory, (0, 0))[0] if memory else 0
+        in_memory = sum(memory in self.chunks.where(k) for k in keys) if memory else 0
         held = self.chunks.held_bytes(self.tenant).get(memory or "", 0)
         capacity = self.chunks.tier_capacity(memory) if memory else None
         return HintResult(

@@ -108,9 +108,11 @@ class Holds:
             return {}
         self.expire()
         best: dict[str, tuple[float, str]] = {}
-        for key, names in self._by_key.items():
+        # walk the smaller side: a put into a big tier with few holds, or many holds over a small tier
+        held = (k for k in sizes if k in self._by_key) if len(sizes) < len(self._by_key) else self._by_key
+        for key in held:
             if key in sizes:
-                back, owner = min((self._by_name[n].back_at, self._by_name[n].owner) for n in names)
+                back, owner = min((self._by_name[n].back_at, self._by_name[n].owner) for n in self._by_key[key])
                 best[key] = (back, owner)
         if capacity is None or self.share >= 1.0:
             return {k: back for k, (back, _) in best.items()}
