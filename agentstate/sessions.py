@@ -82,6 +82,12 @@ class SessionOps(StoreBase):
         state = _json_object(state)
         _check_options(ttl_seconds=ttl_seconds, pinned=pinned, expected_version=expected_version, force=force)
         _check_seconds("guaranteed_until", guaranteed_until)
+        record_ttl = self.chunks.record_ttl_s
+        if guaranteed_until is not None and record_ttl is not None and guaranteed_until > now() + record_ttl:
+            raise InvalidArgumentError(
+                f"guaranteed_until is {guaranteed_until - now():.0f}s away, but the record tier"
+                f" {self.chunks.record_tier!r} expires chunks after {record_ttl:g}s: the contract could not be kept"
+            )
         keys = self._keys(packed)
         full = len(keys) * self.chunk_tokens
         async with self._session_lock(session_id):

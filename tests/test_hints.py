@@ -4,6 +4,7 @@ working set over real LMDB (and a real Redis on loopback), real torch tensors, b
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -178,7 +179,7 @@ async def test_one_tenant_cannot_hold_more_than_its_share(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("hint", "expected_s"),
     [("paused", None), ("paused", 0), ("paused", -1), ("paused", math.nan), ("paused", math.inf), ("paused", "30"),
-     ("paused", 1e12), ("sleep", None), ("", None), (None, None), (3, None), ("PAUSED", 5)],
+     ("paused", 1e12), ("paused", True), ("sleep", None), ("", None), (None, None), (3, None), ("PAUSED", 5)],
 )  # fmt: skip
 async def test_bad_hints_are_refused_and_change_nothing(store: StateStore, hint: Any, expected_s: Any) -> None:
     await put(store, "s", 1)
@@ -280,6 +281,20 @@ async def test_bad_guaranteed_until_is_refused_before_anything_is_written(store:
         await store.snapshot("s", random_tokens(64, seed=9), random_kv(SPEC4, 64, seed=9), guaranteed_until=bad)
     assert (await store.session("s")).version == 1
     await assert_resumes(store, "s", 1)
+
+
+async def test_a_contract_the_record_tier_cannot_keep_is_refused(tmp_path: Path, redis_server: RedisServer) -> None:
+    prefix = f"g{uuid.uuid4().hex[:8]}:"
+    redis = TierConfig(kind="redis", url=redis_server.url, prefix=prefix, ttl_seconds=600)
+    cfg = config(tmp_path / "d", lower=[redis], catalog_url=redis_server.url, catalog_prefix=prefix)
+    async with StateStore.open(cfg, SPEC4) as store:
+        toks, kv = random_tokens(TOKENS, seed=4), random_kv(SPEC4, TOKENS, seed=4)
+        with pytest.raises(InvalidArgumentError, match="expires chunks after 600s"):
+            await store.snapshot("s", toks, kv, guaranteed_until=time.time() + 3600)
+        with pytest.raises(SessionNotFoundError):
+            await store.session("s")
+        await store.snapshot("s", toks, kv, guaranteed_until=time.time() + 300)  # within the tier's own TTL
+        await assert_resumes(store, "s", 4)
 
 
 # -- accounting ---------------------------------------------------------------------------------

@@ -157,6 +157,15 @@ class ChunkStore:
         return self._record.backend.remote
 
     @property
+    def record_ttl_s(self) -> float | None:
+        """How long the record tier keeps a chunk it is not asked for again (a Redis tier's
+        `ttl_seconds`), None when it keeps chunks until they are deleted."""
+        backend = self._record.backend
+        backend = getattr(backend, "inner", backend)  # a compressing wrapper
+        ttl = getattr(backend, "ttl_seconds", None)
+        return float(ttl) if isinstance(ttl, int | float) and not isinstance(ttl, bool) else None
+
+    @property
     def tier_names(self) -> list[str]:
         return [t.name for t in self._manager.tiers]
 
