@@ -2,7 +2,10 @@
 
     async with AsyncClient("http://127.0.0.1:8470", token) as client:
         await client.snapshot("agent-42", tokens, kv, {"messages": [...]})
+        await client.paused("agent-42", 30)        # a tool call, back in about 30 s: held in memory
+        await client.resuming("agent-42")          # its next turn: brought up into host memory now
         r = await client.resume("agent-42")        # ResumeResult, r.kv bit-exact
+        print((await client.usage("agent-42")).tokens_read)
 
     with Client("http://127.0.0.1:8470", token) as client:   # the same methods, blocking
         r = client.resume("agent-42")
@@ -43,9 +46,11 @@ from agentstate.errors import (
     MissingDependencyError,
     NotFoundError,
 )
+from agentstate.hints import Hint, HintKind, HintResult
 from agentstate.keys import CHUNK_PREFIX, token_array, validate_id
 from agentstate.manifest import ResumeResult, SessionManifest
 from agentstate.spec import ModelSpec
+from agentstate.usage import Usage
 from agentstate.wire import (
     CHUNK_TYPE,
     FRAME_TYPE,
@@ -227,16 +232,24 @@ class AsyncClient:
         state: dict[str, Any] | None = None,
         *,
         ttl_seconds: float | None = None,
+        guaranteed_until: float | None = None,
         pinned: bool = False,
         expected_version: int | None = None,
         force: bool = False,
     ) -> SessionInfo:
-        """Durably store a new version of the session (see StateStore.snapshot)."""
+        """Durably store a new version of the session (see StateStore.snapshot): `ttl_seconds`
+        expires it that long after its last write or hit, `guaranteed_until` (wall-clock seconds)
+        keeps it at least until then. Options are checked here first (InvalidArgumentError)."""
         toks = token_array(tokens).tolist()
-        header = SnapshotHeader(
-            **await self._kv_header(kv, len(toks)), tokens=toks, state=state or {}, ttl_seconds=ttl_seconds,
-            pinned=pinned, expected_version=expected_version, force=force,
-        )  # fmt: skip
+        kv_header = await self._kv_header(kv, len(toks))
+        try:
+            header = SnapshotHeader(
+                **kv_header, tokens=toks, state=state or {}, ttl_seconds=ttl_seconds,
+                guaranteed_until=guaranteed_until, pinned=pinned, expected_version=expected_version, force=force,
+            )  # fmt: skip
+        except ValidationError as exc:
+            detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise InvalidArgumentError(f"invalid snapshot options: {detail}") from None
         return _parse(SessionInfo, (await self._upload(_session(session_id, "/snapshot"), header, kv)).content)
 
     async def resume(self, session_id: str) -> RemoteResumeResult:
@@ -253,6 +266,38 @@ class AsyncClient:
 
     async def get(self, session_id: str) -> SessionManifest:
         return await self._json(SessionManifest, "GET", _session(session_id))
+
+    async def info(self, session_id: str) -> SessionInfo:
+        """The session without its tokens and state, with its retention (`guaranteed_until`,
+        `expires_at`, `last_hit_at`)."""
+        return await self._json(SessionInfo, "GET", _session(session_id, "/info"))
+
+    # -- hints and accounting ------------------------------------------------------------------
+
+    async def hint(self, session_id: str, hint: HintKind | Hint, expected_s: float | None = None) -> HintResult:
+        """Tell the service what comes next for the session (see `agentstate.hints`): `paused`
+        (a tool call, back in `expected_s` seconds), `resuming` (its next turn is imminent) or
+        `done`. A bad hint is refused here, before anything is sent (InvalidArgumentError)."""
+        body = Hint.parse(hint, expected_s).model_dump(exclude_none=True)
+        return await self._json(HintResult, "POST", _session(session_id, "/hints"), json=body)
+
+    async def paused(self, session_id: str, expected_s: float) -> HintResult:
+        """A tool call started; the session is expected back in `expected_s` seconds."""
+        return await self.hint(session_id, "paused", expected_s)
+
+    async def resuming(self, session_id: str) -> HintResult:
+        """The session's next turn is imminent: the service brings it up into host memory now."""
+        return await self.hint(session_id, "resuming")
+
+    async def done(self, session_id: str) -> HintResult:
+        """The session will not be back soon: its place in the fast tiers is released."""
+        return await self.hint(session_id, "done")
+
+    async def usage(self, session_id: str | None = None) -> Usage:
+        """Accounting of one session, or of this tenant (None: all its sessions, loads and
+        prefixes, deleted sessions included)."""
+        path = "/v1/usage" if session_id is None else _session(session_id, "/usage")
+        return await self._json(Usage, "GET", path)
 
     async def list(self) -> builtins.list[SessionInfo]:
         response = await self._call("GET", "/v1/sessions")
@@ -458,13 +503,14 @@ class Client:
         state: dict[str, Any] | None = None,
         *,
         ttl_seconds: float | None = None,
+        guaranteed_until: float | None = None,
         pinned: bool = False,
         expected_version: int | None = None,
         force: bool = False,
     ) -> SessionInfo:
         return self._wait(self._async.snapshot(
-            session_id, tokens, kv, state, ttl_seconds=ttl_seconds, pinned=pinned,
-            expected_version=expected_version, force=force,
+            session_id, tokens, kv, state, ttl_seconds=ttl_seconds, guaranteed_until=guaranteed_until,
+            pinned=pinned, expected_version=expected_version, force=force,
         ))  # fmt: skip
 
     def resume(self, session_id: str) -> RemoteResumeResult:
@@ -478,6 +524,24 @@ class Client:
 
     def get(self, session_id: str) -> SessionManifest:
         return self._wait(self._async.get(session_id))
+
+    def info(self, session_id: str) -> SessionInfo:
+        return self._wait(self._async.info(session_id))
+
+    def hint(self, session_id: str, hint: HintKind | Hint, expected_s: float | None = None) -> HintResult:
+        return self._wait(self._async.hint(session_id, hint, expected_s))
+
+    def paused(self, session_id: str, expected_s: float) -> HintResult:
+        return self._wait(self._async.paused(session_id, expected_s))
+
+    def resuming(self, session_id: str) -> HintResult:
+        return self._wait(self._async.resuming(session_id))
+
+    def done(self, session_id: str) -> HintResult:
+        return self._wait(self._async.done(session_id))
+
+    def usage(self, session_id: str | None = None) -> Usage:
+        return self._wait(self._async.usage(session_id))
 
     def list(self) -> builtins.list[SessionInfo]:
         return self._wait(self._async.list())

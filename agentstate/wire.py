@@ -137,7 +137,13 @@ class KVHeader(_Strict):
 class SnapshotHeader(KVHeader):
     tokens: list[int] = Field(min_length=1)
     state: dict[str, Any] = Field(default_factory=dict)
-    ttl_seconds: float | None = Field(default=None, gt=0)
+    ttl_seconds: float | None = Field(
+        default=None, gt=0, description="sliding retention TTL: expires this long after the last write or hit"
+    )
+    guaranteed_until: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="wall-clock seconds: the session never expires before then, whatever its TTL",
+    )  # fmt: skip
     pinned: bool = False
     expected_version: int | None = Field(
         default=None, ge=0, description="the version this writer last saw; 409 if stale"
@@ -184,13 +190,22 @@ class SessionInfo(BaseModel):
     updated_at: float
     ttl_seconds: float | None
     pinned: bool
+    guaranteed_until: float | None = Field(
+        default=None, description="wall clock: the session never expires before then (the snapshot's contract)"
+    )
+    expires_at: float | None = Field(
+        default=None, description="wall clock: when it expires unless hit again (None: never); never before"
+        " guaranteed_until",
+    )  # fmt: skip
+    last_hit_at: float | None = Field(default=None, description="wall clock: its last resume or hint (None: none yet)")
 
     @classmethod
     def of(cls, m: SessionManifest) -> SessionInfo:
         return cls(
             session_id=m.session_id, fingerprint=m.fingerprint, num_tokens=m.num_tokens, version=m.version,
             parent=m.parent, created_at=m.created_at, updated_at=m.updated_at, ttl_seconds=m.ttl_seconds,
-            pinned=m.pinned,
+            pinned=m.pinned, guaranteed_until=m.guaranteed_until, expires_at=m.expires_at(),
+            last_hit_at=m.last_hit_at,
         )  # fmt: skip
 
 

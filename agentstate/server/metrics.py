@@ -15,8 +15,16 @@ and /metrics aggregates that directory (`MultiProcessCollector`), plus this proc
 collector. (prometheus_client reads the variable when it is first imported.)
 
 Labels are bounded: a route is its template (`/v1/sessions/{session_id}`), never a concrete path,
-a tier is its configured name, a node a Redis `host:port`; no label names a tenant, so /metrics
-neither grows with traffic nor lists who uses the service.
+a tier is its configured name, a node a Redis `host:port`, so /metrics does not grow with traffic.
+
+Per-tenant accounting (`agentstate_tenant_*_total{tenant=...}`: tokens read, written, deduped and
+recomputed, bytes written, bytes read per tier, resumes, snapshots, loads, hints) comes from the
+store's `usage_log.totals` at scrape time: everything this process counted since it started, so
+they are counters that restart at zero with the process, like every other one here (the exact,
+persistent figures are `GET /v1/usage`). A tenant label is bounded by the service's token table.
+These families name tenants, so they are only exported when /metrics itself needs a token
+(`Limits.metrics_token`), or when the app is made with `tenant_metrics=True`: an open /metrics
+never lists who uses the service.
 """
 
 from __future__ import annotations
@@ -66,6 +74,30 @@ _TIER_COUNTERS = {  # chunk-layer counter -> (family, help)
         "Failed writes to a cache or remote tier (skipped; the chunk is simply not there).",
     ),
 }
+_TENANT_COUNTERS = {  # usage counter (agentstate.usage) -> (family, help)
+    "tokens_read": ("agentstate_tenant_tokens_read", "Tokens of a tenant served from the cache (resumes, loads)."),
+    "tokens_written": (
+        "agentstate_tenant_tokens_written",
+        "Tokens of a tenant whose KV was stored (new chunks and tails; what dedupe skipped is not counted).",
+    ),
+    "tokens_deduped": (
+        "agentstate_tenant_tokens_deduped",
+        "Tokens of a tenant's snapshots and prefixes not stored again: the chunks were held already.",
+    ),
+    "tokens_recomputed": (
+        "agentstate_tenant_tokens_recomputed",
+        "Tokens a tenant's resumes and loads asked for that the cache did not serve (the engine computes them).",
+    ),
+    "bytes_written": ("agentstate_tenant_bytes_written", "Stored bytes written for a tenant (chunks and tails)."),
+    "resumes": ("agentstate_tenant_resumes", "Session resumes of a tenant."),
+    "snapshots": ("agentstate_tenant_snapshots", "Session snapshots of a tenant."),
+    "loads": ("agentstate_tenant_loads", "Prefix loads of a tenant."),
+    "hints": ("agentstate_tenant_hints", "Agent hints (paused, resuming, done) of a tenant."),
+}
+_TENANT_BYTES_READ = (
+    "agentstate_tenant_bytes_read",
+    "Stored bytes read for a tenant, per tier that served them.",
+)
 _STORE_COUNTERS = {  # chunk-layer counter -> (family, help)
     "prefetch_timeouts": (
         "agentstate_prefetch_timeouts",
@@ -94,15 +126,19 @@ class StoreFigures:
     disk_free: dict[str, int] = field(default_factory=dict)
     server_memory: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     inflight_bytes: int = 0
+    tenants: dict[str, dict[str, int]] | None = None
+    """per tenant, this process's usage counts (None: tenant metrics are not exported)"""
 
 
-async def gather(store: StateStore, inflight_bytes: int = 0) -> StoreFigures:
-    """Read the store's figures without listing any tier (see the module doc)."""
+async def gather(store: StateStore, inflight_bytes: int = 0, *, tenants: bool = False) -> StoreFigures:
+    """Read the store's figures without listing any tier (see the module doc); `tenants`: the
+    per-tenant usage counts too (from memory)."""
     chunks = store.chunks
     figures = StoreFigures(
         sessions=None if store.catalog.shared else await store.catalog.session_count(),
         indexed_keys=len(chunks), tiers=chunks.tier_info(), tier_counts=chunks.tier_counters(),
         counters=chunks.counters(), breakers=chunks.breakers(), inflight_bytes=inflight_bytes,
+        tenants={t: dict(c) for t, c in store.usage_log.totals.items()} if tenants else None,
     )  # fmt: skip
     for info in figures.tiers:
         backend = chunks.backend(info.name)
@@ -130,9 +166,10 @@ async def gather(store: StateStore, inflight_bytes: int = 0) -> StoreFigures:
 
 class Metrics:
     """The registry of one app: request metrics fed by the Gate middleware, session latencies fed by
-    the routes, and the store collector."""
+    the routes, and the store collector (with the per-tenant usage counters when `tenants`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, tenants: bool = False) -> None:
+        self.tenants = tenants
         self.registry = CollectorRegistry()
         # prometheus_client picks file-backed values when it is imported with PROMETHEUS_MULTIPROC_DIR set.
         multiproc = values.ValueClass is not values.MutexValue
@@ -168,7 +205,7 @@ class Metrics:
         return lambda: time.perf_counter() - start
 
     async def render(self, store: StateStore, inflight_bytes: int = 0) -> bytes:
-        figures = await gather(store, inflight_bytes)
+        figures = await gather(store, inflight_bytes, tenants=self.tenants)
         self._store.figures = figures  # no await from here on: a concurrent scrape cannot interleave
         return generate_latest(self.registry)
 
@@ -197,6 +234,8 @@ class StoreCollector(Collector):
         yield from self._tiers(f)
         yield from self._counters(f)
         yield from self._breakers(f)
+        if f.tenants is not None:
+            yield from self._tenants(f.tenants)
 
     @staticmethod
     def _tiers(f: StoreFigures) -> Iterator[Metric]:
@@ -252,6 +291,20 @@ class StoreCollector(Collector):
         yield errors
         for key, (name, help_text) in _STORE_COUNTERS.items():
             yield CounterMetricFamily(name, help_text, value=f.counters.get(key, 0))
+
+    @staticmethod
+    def _tenants(totals: dict[str, dict[str, int]]) -> Iterator[Metric]:
+        for what, (name, help_text) in _TENANT_COUNTERS.items():
+            family = CounterMetricFamily(name, help_text, labels=["tenant"])
+            for tenant, counts in sorted(totals.items()):
+                family.add_metric([tenant], counts.get(what, 0))
+            yield family
+        read = CounterMetricFamily(*_TENANT_BYTES_READ, labels=["tenant", "tier"])
+        for tenant, counts in sorted(totals.items()):
+            for key, n in sorted(counts.items()):
+                if key.startswith("bytes_read:"):
+                    read.add_metric([tenant, key.split(":", 1)[1]], n)
+        yield read
 
     @staticmethod
     def _breakers(f: StoreFigures) -> Iterator[Metric]:

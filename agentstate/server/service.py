@@ -7,6 +7,10 @@ leak). KV travels as binary frames (`agentstate.wire`), chunks in the codec form
 (`agentstate.server.dataplane`). Ops routes: `/healthz`, `/metrics` (Prometheus text), `/openapi.json`;
 `/v1/admin/sessions[/{id}]` are the tenant's sessions as `agentstate ls`/`inspect --url` print them.
 
+Agent hints (`POST /v1/sessions/{id}/hints`, an `agentstate.hints.Hint`: paused / resuming / done)
+hold or release a session in the fast tiers; accounting (`GET /v1/sessions/{id}/usage`,
+`GET /v1/usage`) is `agentstate.usage.Usage`, the session's or the whole tenant's.
+
 Chunk handles are MACs under `Limits.handle_secret` (or `handle_secret_file`): replicas given the
 same secret accept each other's handles; without one each process makes its own, and its handles
 stop working when it exits.
@@ -38,6 +42,7 @@ from agentstate import codec
 from agentstate._version import __version__
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, InvalidArgumentError, NotFoundError
+from agentstate.hints import Hint, HintResult
 from agentstate.manifest import SessionManifest
 from agentstate.ops import admin
 from agentstate.ops.admin import SPEC_FILE, record_spec, recorded_spec
@@ -57,6 +62,7 @@ from agentstate.server.gate import (
 from agentstate.server.metrics import CONTENT_TYPE, Metrics
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
+from agentstate.usage import Usage
 from agentstate.wire import (
     FRAME_TYPE,
     ErrorBody,
@@ -81,11 +87,15 @@ _FRAME_BODY = {
 _ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorBody} for s in (401, 404, 409, 413, 422, 503)}
 
 
-def create_app(store: StateStore, tokens: dict[str, str], limits: Limits | None = None) -> FastAPI:
-    """The service over one open store. `tokens` maps bearer token -> tenant."""
+def create_app(
+    store: StateStore, tokens: dict[str, str], limits: Limits | None = None, *, tenant_metrics: bool | None = None
+) -> FastAPI:
+    """The service over one open store. `tokens` maps bearer token -> tenant. `tenant_metrics`:
+    export the per-tenant usage counters on /metrics (they name tenants); None: when /metrics
+    needs a token (`limits.metrics_token`)."""
     limits = limits or Limits()
     ctx = ServiceContext(store, limits)
-    metrics = Metrics()
+    metrics = Metrics(tenants=limits.metrics_token is not None if tenant_metrics is None else tenant_metrics)
     app = FastAPI(
         title="agentstate", version=__version__, summary="Session resume service for LLM KV state", responses=_ERRORS
     )
@@ -182,6 +192,31 @@ def _sessions(app: FastAPI, ctx: ServiceContext, metrics: Metrics) -> None:
         """The manifest: tokens, application state, version, parent, timestamps."""
         return await store.session(session_id)
 
+    @app.get("/v1/sessions/{session_id}/info", response_model=SessionInfo, tags=["sessions"])
+    async def session_info(session_id: str, store: Store) -> SessionInfo:
+        """The session without its tokens and state: version, size, and its retention (TTL,
+        `guaranteed_until`, when it expires, when it was last hit)."""
+        return SessionInfo.of(await store.session(session_id))
+
+    @app.post("/v1/sessions/{session_id}/hints", response_model=HintResult, tags=["sessions"])
+    async def hint(session_id: str, body: Hint, store: Store) -> HintResult:
+        """What comes next for the session: `paused` (a tool call, back in `expected_s` seconds:
+        held in the fast tiers), `resuming` (its next turn is imminent: brought up into host memory
+        now), `done` (released). Advice only: it never changes what is stored; a bad hint is
+        refused (422) and changes nothing."""
+        return await store.hint(session_id, body)
+
+    @app.get("/v1/sessions/{session_id}/usage", response_model=Usage, tags=["sessions"])
+    async def session_usage(session_id: str, store: Store) -> Usage:
+        """The session's accounting: tokens read, written, deduped and recomputed, bytes per tier,
+        operations, its last hit, and where its chunks are stored now."""
+        return await store.usage(session_id)
+
+    @app.get("/v1/usage", response_model=Usage, tags=["sessions"])
+    async def tenant_usage(store: Store) -> Usage:
+        """This tenant's accounting: all its sessions, loads and prefixes, deleted sessions included."""
+        return await store.usage()
+
     @app.post(
         "/v1/sessions/{session_id}/snapshot", response_model=SessionInfo, tags=["sessions"], openapi_extra=_FRAME_BODY
     )
@@ -194,8 +229,9 @@ def _sessions(app: FastAPI, ctx: ServiceContext, metrics: Metrics) -> None:
         kv = await off_loop(kv_from, header, payload, store.spec)
         elapsed = metrics.timer()
         manifest = await store.snapshot(
-            session_id, header.tokens, kv, header.state, ttl_seconds=header.ttl_seconds, pinned=header.pinned,
-            expected_version=header.expected_version, force=header.force,
+            session_id, header.tokens, kv, header.state, ttl_seconds=header.ttl_seconds,
+            guaranteed_until=header.guaranteed_until, pinned=header.pinned, expected_version=header.expected_version,
+            force=header.force,
         )  # fmt: skip
         metrics.snapshot_seconds.observe(elapsed())
         return SessionInfo.of(manifest)
