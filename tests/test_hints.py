@@ -116,6 +116,20 @@ async def test_resuming_brings_a_session_up_from_lmdb_and_the_resume_reads_no_sl
         assert await lmdb_read_bytes(store) == lmdb_before
 
 
+async def test_resuming_after_a_restart_fills_an_unbounded_host_tier(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "d").model_copy(update={"tiers": [TierConfig(kind="host"), TierConfig(kind="lmdb")]})
+    async with StateStore.open(cfg, SPEC4) as store:
+        await put(store, "agent", 1, tokens=TOKENS + 7)
+    async with StateStore.open(cfg, SPEC4) as store:  # a new process: host memory is empty
+        assert await in_host(store, "agent") == 0
+        result = await store.resuming("agent")
+        assert (result.moved_chunks, result.in_memory, result.chunks) == (5, 5, 5)  # the tail too
+        lmdb_before = await lmdb_read_bytes(store)
+        await assert_resumes(store, "agent", 1, tokens=TOKENS + 7)
+        assert await lmdb_read_bytes(store) == lmdb_before
+        assert (await store.resuming("agent")).moved_chunks == 0  # already there: nothing read
+
+
 async def test_resuming_brings_a_session_up_from_redis(tmp_path: Path, redis_server: RedisServer) -> None:
     prefix = f"h{uuid.uuid4().hex[:8]}:"
     redis = TierConfig(kind="redis", url=redis_server.url, prefix=prefix)

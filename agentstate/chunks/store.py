@@ -262,7 +262,7 @@ class ChunkStore:
     def memory_tier(self) -> str | None:
         """The host memory cache tier that `warm` fills (None when the store has none)."""
         for t in self._manager.tiers:
-            if not t.is_device and not t.backend.durable and not t.backend.remote and t.capacity is not None:
+            if not t.is_device and not t.backend.durable and not t.backend.remote and t is not self._record:
                 return t.name
         return None
 
