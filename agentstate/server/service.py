@@ -114,7 +114,7 @@ def create_app(
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
     async def prometheus() -> Response:
         """Prometheus text exposition: requests, latencies, the store's tiers, counters and breakers (no
-        store is listed to answer it)."""
+        store is listed to answer it); per-tenant usage counters too when tenant metrics are on."""
         return Response(await metrics.render(store, budget.used), media_type=CONTENT_TYPE)
 
     return app
