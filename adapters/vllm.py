@@ -34,6 +34,36 @@ Sessions: a request whose `kv_transfer_params` holds `{"agentstate": {"session_i
 state. A later request naming the same session whose prompt extends the session's tokens loads
 all of it, tail included.
 
+Agent hints: the same `agentstate` params carry what the agent framework knows about a session's
+next seconds (see `agentstate.hints`)::
+
+    kv_transfer_params={"agentstate": {"agent_id": "agent-7", "hint": "paused", "expected_s": 30}}
+
+- `hint`: `"paused"` (this turn ended with a tool call expected to take `expected_s` seconds, a
+  number > 0, required), `"resuming"` (the tool returned: this request is the next turn) or
+  `"done"` (the agent will not be back soon).
+- `agent_id`: the name the hold goes under, one per name and tenant (`[A-Za-z0-9_.:@-]`, 1-128
+  chars): the agent session's id. A request that names a session (`session_id`) hints that session,
+  tail included; `agent_id` may then be left out (if given, it must equal `session_id`).
+- `resuming` applies when the request arrives (vLLM's `on_new_request`, before it is scheduled):
+  the worker starts bringing the stored prefix of the prompt (`StateStore.hint_tokens`; a named
+  session: `StateStore.hint`) up from LMDB/Redis into host memory on its loop, and the request's
+  load waits for that (at most half of `timeout_s`) and reads host memory.
+- `paused` and `done` apply when the request finishes, once what the connector stores for it is
+  written: `paused` holds the prefix stored for the request (its tokens through the end of the
+  request: prompt and generated) in the fast tiers for about `2 * expected_s` (eviction takes
+  unheld LRU chunks first); `done` releases the hold.
+- A hint never fails or changes its request: malformed hint params (unknown hint, `paused` without
+  a positive `expected_s`, an invalid or missing name, `expected_s` as a string) are logged once per
+  request (InvalidArgumentError) and counted (`hints_invalid`), and the request is served as if it
+  carried none; a hint that fails in the store (no such session yet) is logged and counted
+  (`hint_errors`). Hints never change what is stored, only where it waits.
+
+Metrics (`vllm:agentstate_*`): besides the counts below, `bytes_read{tier=...}` (stored bytes loads
+read, per tier), `hints`, `hint_moved_bytes` (resuming: bytes brought up into host memory),
+`hint_errors`, `hints_invalid`. Loads are also counted in the store's usage (`StateStore.usage()`:
+loads, tokens_read, bytes_read per tier).
+
 Never raises into vLLM's threads: every engine-facing call answers a miss (or a failed load) and
 logs instead.
 """
@@ -75,6 +105,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from agentstate.config import StoreConfig
 from agentstate.settings import record_config
 from agentstate.errors import AgentStateError, BackendError, ConflictError, InvalidArgumentError
+from agentstate.hints import Hint, HintKind
 from agentstate.keys import chunk_keys, namespace_for, validate_id
 from agentstate.spec import DTYPE_NAMES, ModelSpec
 from agentstate.store import StateStore
@@ -165,6 +196,39 @@ def session_of(params: Any) -> tuple[str, dict[str, Any]] | None:
     return validate_id(sid), state if isinstance(state, dict) else {"value": state}
 
 
+HINT_KEYS = ("hint", "expected_s", "agent_id")
+
+
+@dataclass(frozen=True)
+class RequestHint:
+    """The agent hint of one request's kv_transfer_params."""
+
+    kind: HintKind
+    expected_s: float | None
+    name: str
+    session: bool  # the name is the request's session_id: the named session is hinted (tail included)
+
+
+def hint_of(params: Any) -> RequestHint | None:
+    """The agent hint in a request's kv_transfer_params (`{"agentstate": {"hint": ..., "expected_s":
+    ..., "agent_id": ...}}`), None when it carries none; InvalidArgumentError when it is malformed."""
+    if not isinstance(params, dict) or not isinstance(params.get("agentstate"), dict):
+        return None
+    own = params["agentstate"]
+    if not any(k in own for k in HINT_KEYS):
+        return None
+    if "hint" not in own:
+        raise InvalidArgumentError(f"agentstate params {sorted(k for k in HINT_KEYS if k in own)} without a hint")
+    parsed = Hint.parse(own["hint"], own.get("expected_s"))
+    sid, agent = own.get("session_id"), own.get("agent_id")
+    if sid is None and agent is None:
+        raise InvalidArgumentError("a hint needs agent_id (or the request's session_id) to name its hold")
+    if sid is not None and agent is not None and agent != sid:
+        raise InvalidArgumentError(f"hint agent_id {agent!r} is not the request's session_id {sid!r}")
+    name = validate_id(sid if sid is not None else agent, "agent_id" if sid is None else "session id")
+    return RequestHint(parsed.hint, parsed.expected_s, name, session=sid is not None)
+
+
 # -- metadata: what the scheduler tells the worker each step ------------------------------------------
 
 
@@ -176,6 +240,7 @@ class LoadJob:
     block_ids: list[int]
     first: int
     end: int
+    tenant: str = ""
 
 
 @dataclass
@@ -199,10 +264,25 @@ class SessionJob:
 
 
 @dataclass
+class HintJob:
+    """An agent hint for the worker to apply: `paused`/`done` of a finished request (after its saves
+    and snapshot are written), `resuming` of one that just arrived (sent over the lookup channel)."""
+
+    req_id: str
+    tenant: str
+    name: str
+    session: bool
+    hint: HintKind
+    expected_s: float | None
+    tokens: list[int]
+
+
+@dataclass
 class AgentStateMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     sessions: list[SessionJob] = field(default_factory=list)
+    hints: list[HintJob] = field(default_factory=list)  # of finished requests
     released: list[str] = field(default_factory=list)  # finished, blocks held until their copies are done
     preempted: list[str] = field(default_factory=list)  # blocks freed this step: copies in flight revoked
 
@@ -221,8 +301,13 @@ class _Tracked:
 
 STAT_KEYS = (
     "hit_tokens", "loaded_tokens", "stored_tokens", "load_error_blocks", "sessions_saved", "saves_dropped",
-    "saves_revoked", "errors",
+    "saves_revoked", "errors", "hints", "hint_moved_bytes", "hint_errors", "hints_invalid",
 )  # fmt: skip
+BYTES_READ = "bytes_read:"  # + a tier's name: stored bytes loads read from that tier
+
+
+def _stat(key: str) -> bool:
+    return key in STAT_KEYS or key.startswith(BYTES_READ)
 
 
 @dataclass
@@ -260,17 +345,29 @@ class AgentStatePromMetrics(KVConnectorPromMetrics):
             "saves_dropped": "chunks not saved because the store fell behind",
             "saves_revoked": "chunks not saved because their request was preempted while they were copied",
             "errors": "agentstate connector errors",
+            "hints": "agent hints applied (paused, resuming, done in kv_transfer_params)",
+            "hint_moved_bytes": "stored bytes resuming hints brought up into host memory",
+            "hint_errors": "agent hints the store could not apply (the request is unaffected)",
+            "hints_invalid": "requests whose hint params were malformed (ignored, the request served without)",
         }
         self.counters = {}
         for key, doc in helps.items():
             counter = self._counter_cls(name=f"vllm:agentstate_{key}", documentation=doc, labelnames=labelnames)
             self.counters[key] = {idx: counter.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
+        self.bytes_read = self._counter_cls(
+            name="vllm:agentstate_bytes_read", documentation="stored bytes agentstate loads read, per tier",
+            labelnames=[*labelnames, "tier"],
+        )  # fmt: skip
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, by_engine in self.counters.items():
             amount = transfer_stats_data.get(key, 0)
             if amount and engine_idx in by_engine:
                 by_engine[engine_idx].inc(amount)
+        values = self.per_engine_labelvalues.get(engine_idx)
+        for key, amount in transfer_stats_data.items():
+            if key.startswith(BYTES_READ) and amount and values is not None:
+                self.bytes_read.labels(*values, key[len(BYTES_READ) :]).inc(amount)
 
 
 # -- the connector ---------------------------------------------------------------------------------------
@@ -305,6 +402,7 @@ class AgentStateConnector(KVConnectorBase_V1):
         self.spec = model_spec(vllm_config, self.settings)
         self.counts: Counter[str] = Counter()
         self._count_lock = threading.Lock()
+        self._stats = AgentStateStats()
         pc = vllm_config.parallel_config
         self._tp = pc.tensor_parallel_size
         if role == KVConnectorRole.SCHEDULER:
@@ -322,6 +420,9 @@ class AgentStateConnector(KVConnectorBase_V1):
             self._loads: list[LoadJob] = []
             self._sessions: list[SessionJob] = []
             self._released: list[str] = []
+            self._hints: dict[str, RequestHint | None] = {}  # per request, parsed once (logged once if bad)
+            self._hinted: set[str] = set()  # requests whose resuming hint went to the worker
+            self._hint_jobs: list[HintJob] = []
         else:
             self.rank = pc.rank if self._tp * pc.pipeline_parallel_size > 1 else 0
             self.path = data_dir(vllm_config, self.settings, self.rank)
@@ -341,17 +442,19 @@ class AgentStateConnector(KVConnectorBase_V1):
             self._saving: dict[tuple[str, str], concurrent.futures.Future[None]] = {}
             self._errors: set[int] = set()
             self._pending = 0  # chunks handed to the loop, not yet written
-            self._stats = AgentStateStats()
+            # per request, its writes in flight: a paused hint of the request waits for them
+            self._req_writes: dict[str, list[concurrent.futures.Future[None]]] = {}
+            # request id -> its resuming hint in flight (on the loop): the request's load waits for it
+            self._warming: dict[str, asyncio.Future[None]] = {}
 
     # -- plumbing ----------------------------------------------------------------------------------
 
     def _count(self, **amounts: int) -> None:
         with self._count_lock:
             self.counts.update(amounts)
-            if self.role == KVConnectorRole.WORKER:
-                for k, v in amounts.items():
-                    if k in STAT_KEYS:
-                        self._stats.data[k] += v
+            for k, v in amounts.items():
+                if _stat(k):
+                    self._stats.data[k] = self._stats.data.get(k, 0) + v
 
     def _failed(self, call: str, exc: BaseException) -> None:
         self._count(errors=1)
@@ -386,10 +489,44 @@ class AgentStateConnector(KVConnectorBase_V1):
             return None
         return replies
 
+    def _hint_for(self, request: Request) -> RequestHint | None:
+        """The request's agent hint, parsed once; malformed params are logged once and ignored."""
+        req_id = request.request_id
+        if req_id in self._hints:
+            return self._hints[req_id]
+        try:
+            hint = hint_of(request.kv_transfer_params)
+        except AgentStateError as exc:
+            self._count(hints_invalid=1)
+            log.warning("agentstate: request %s is served without its hint: %s: %s", req_id, type(exc).__name__, exc)
+            hint = None
+        self._hints[req_id] = hint
+        return hint
+
+    def _send_resuming(self, request: Request) -> None:
+        """A resuming hint goes to the worker once, as soon as the request is seen: the worker brings
+        the prompt's stored prefix up into host memory on its loop (the reply does not wait for it)."""
+        hint = self._hint_for(request)
+        if hint is None or hint.kind != "resuming" or request.request_id in self._hinted:
+            return
+        self._hinted.add(request.request_id)
+        tokens = list(request.prompt_token_ids or request.all_token_ids)
+        tenant = tenant_of(request.cache_salt, self.config.tenant)
+        self._ask({"op": "hint", "req_id": request.request_id, "tenant": tenant, "name": hint.name,
+                   "session": hint.session, "hint": hint.kind, "expected_s": hint.expected_s,
+                   "tokens": tokens})  # fmt: skip
+
+    @never_raises(lambda *_, **__: None)
+    def on_new_request(self, request: Request) -> None:
+        """A request was added: a resuming hint starts its prefix's way up now, before it is scheduled."""
+        self._send_resuming(request)
+
     @never_raises(lambda *_, **__: (0, False))
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Whole stored chunks beyond vLLM's own hit (at least one prompt token left to compute);
         a session named in kv_transfer_params adds its tail. Loaded asynchronously."""
+        with contextlib.suppress(Exception):  # an engine without on_new_request: the hint goes now
+            self._send_resuming(request)
         tokens = list(request.all_token_ids[: request.num_tokens])
         limit = len(tokens) - 1
         tenant = tenant_of(request.cache_salt, self.config.tenant)
@@ -442,15 +579,16 @@ class AgentStateConnector(KVConnectorBase_V1):
         if plan.get("tail_key") and end > n_full * c:
             keys.append(plan["tail_key"])
             spans.append((n_full * c, plan["tail_tokens"]))
-        self._loads.append(LoadJob(req_id, keys, spans, block_ids, first, end))
+        self._loads.append(LoadJob(req_id, keys, spans, block_ids, first, end, tracked.tenant))
         # `saved` stays: loaded chunks are offered for saving too, and the worker's dedupe skips them
         # unless a load found one corrupt (dropped), so the recomputed chunk is stored again.
 
     @never_raises(lambda *_, **__: AgentStateMetadata())
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = AgentStateMetadata(loads=self._loads, sessions=self._sessions, released=self._released,
+                                  hints=self._hint_jobs,
                                   preempted=sorted(scheduler_output.preempted_req_ids or ()))  # fmt: skip
-        self._loads, self._sessions, self._released = [], [], []
+        self._loads, self._sessions, self._released, self._hint_jobs = [], [], [], []
         c = self.chunk_tokens
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -489,19 +627,27 @@ class AgentStateConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """The blocks are held while the worker still copies out of them: chunks handed over for
         saving, and a session named in kv_transfer_params (snapshotted now). The worker reports
-        the request in `get_finished` once its copies are done."""
-        tracked = self._tracked.pop(request.request_id, None)
-        self._matched.pop(request.request_id, None)
-        session = session_of(request.kv_transfer_params)
+        the request in `get_finished` once its copies are done. A paused or done hint goes to the
+        worker with them, applied once they are written."""
+        req_id = request.request_id
+        tracked = self._tracked.pop(req_id, None)
+        self._matched.pop(req_id, None)
+        self._hinted.discard(req_id)
+        hint = self._hint_for(request)
+        self._hints.pop(req_id, None)
         n = min(int(request.num_computed_tokens), len(request.all_token_ids))
+        tenant = tenant_of(request.cache_salt, self.config.tenant)
+        if hint is not None and hint.kind != "resuming":
+            self._hint_jobs.append(HintJob(req_id, tenant, hint.name, hint.session, hint.kind, hint.expected_s,
+                                           list(request.all_token_ids[:n])))  # fmt: skip
+        session = session_of(request.kv_transfer_params)
         if session is not None and n > 0 and block_ids:
-            tenant = tenant_of(request.cache_salt, self.config.tenant)
             tokens = list(request.all_token_ids[:n])
-            job = SessionJob(request.request_id, tenant, session[0], session[1], tokens, list(block_ids))
+            job = SessionJob(req_id, tenant, session[0], session[1], tokens, list(block_ids))
             self._sessions.append(job)
             return True, None
-        if tracked is not None and tracked.saved > 0:
-            self._released.append(request.request_id)
+        if (tracked is not None and tracked.saved > 0) or (hint is not None and hint.kind != "resuming"):
+            self._released.append(req_id)  # a hint alone: reported at once, the engine steps to deliver it
             return True, None
         return False, None
 
@@ -576,8 +722,11 @@ class AgentStateConnector(KVConnectorBase_V1):
         return self.store
 
     async def _answer(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The scheduler's lookup: leading stored chunks, and a named session's manifest if it fits."""
+        """The scheduler's lookup: leading stored chunks, and a named session's manifest if it fits.
+        A hint (`op` "hint") is started on this loop and answered at once."""
         store = self._ready()
+        if request.get("op") == "hint":
+            return self._hint_arrived(request)
         keys = [str(k) for k in request.get("keys", [])]
         reply: dict[str, Any] = {"chunks": await store.chunks.lookup(keys) if keys else 0}
         sid = request.get("session")
@@ -628,6 +777,10 @@ class AgentStateConnector(KVConnectorBase_V1):
             self._start_load(job)
         for sjob in meta.sessions:
             self._start_session(sjob)
+        for hjob in meta.hints:
+            self._start_hint(hjob)
+        for req_id in [*meta.released, *(s.req_id for s in meta.sessions)]:
+            self._req_writes.pop(req_id, None)
         if self.settings.load_mode == "sync":  # this step's forward reads the loaded blocks: wait here
             for job in meta.loads:
                 entry = self._loading.get(job.req_id)
@@ -655,14 +808,35 @@ class AgentStateConnector(KVConnectorBase_V1):
         self._count(hit_tokens=job.end - job.first)
 
     async def _load(self, job: LoadJob, target: BlocksTarget) -> set[int]:
-        """Read the job's chunks straight into its blocks; the span starts written in full."""
+        """Read the job's chunks straight into its blocks; the span starts written in full. A resuming
+        hint of the request still bringing them up into host memory is waited for first (at most
+        half of timeout_s): the read then finds them there instead of reading the slow tier twice."""
         store = self._ready()
+        warming = self._warming.pop(job.req_id, None)
+        if warming is not None and not warming.done():
+            await asyncio.wait({warming}, timeout=self.settings.timeout_s / 2)
         if not job.keys:
             return set()
+        usage: Counter[str] = Counter()
         with store.chunks.pinned(job.keys):
             await store.chunks.discover(job.keys)
-            await store.chunks.read(job.keys, job.spans, target)
-        return set(target.done)
+            await store.chunks.read(job.keys, job.spans, target, usage=usage)
+        done = set(target.done)
+        read = {k: v for k, v in usage.items() if k.startswith(BYTES_READ) and v}
+        self._count(**read)
+        view = store.for_tenant(job.tenant) if job.tenant else store
+        view.usage_log.add(view.tenant, None, {"loads": 1, "tokens_read": self._landed(job, done) - job.first, **read})
+        return done
+
+    @staticmethod
+    def _landed(job: LoadJob, written: set[int]) -> int:
+        """Where the job's load ends: spans are in token order, and the first gap ends it."""
+        good = job.first
+        for start, n in job.spans:
+            if start not in written:
+                break
+            good = start + n
+        return min(max(good, job.first), job.end)
 
     def _finish_load(self, req_id: str, timed_out: bool) -> None:
         future, target, job, _ = self._loading.pop(req_id)
@@ -671,12 +845,7 @@ class AgentStateConnector(KVConnectorBase_V1):
         written = target.close()
         if not timed_out and future.done() and future.exception() is not None:
             self._failed("load", future.exception())  # type: ignore[arg-type]
-        good = job.first
-        for start, n in job.spans:  # spans are in token order; the first gap ends the load
-            if start not in written:
-                break
-            good = start + n
-        good = min(max(good, job.first), job.end)
+        good = self._landed(job, written)
         if good < job.end:
             bad = {
                 job.block_ids[t // self.block_size]
@@ -715,9 +884,10 @@ class AgentStateConnector(KVConnectorBase_V1):
             flag = self._revoke.setdefault(job.req_id, threading.Event())
             read: concurrent.futures.Future[None] = concurrent.futures.Future()
             self._reading.setdefault(job.req_id, []).append(read)
-            self._writes.append(
-                asyncio.run_coroutine_threadsafe(self._save(job, flag, read, ready), self._loop.loop)
-            )
+            write = asyncio.run_coroutine_threadsafe(self._save(job, flag, read, ready), self._loop.loop)
+            self._writes.append(write)
+            mine = [f for f in self._req_writes.get(job.req_id, []) if not f.done()]
+            self._req_writes[job.req_id] = [*mine, write]
 
     def _forward_done(self) -> Any:
         """What a copy off the step waits for: nothing on CPU (the forward has returned); on CUDA an
@@ -805,6 +975,55 @@ class AgentStateConnector(KVConnectorBase_V1):
         except Exception as exc:  # noqa: BLE001
             self._failed("snapshot", exc)
 
+    # -- agent hints -------------------------------------------------------------------------------
+
+    def _hint_arrived(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A resuming hint of a request that just arrived (on the loop): started now, not awaited."""
+        tokens = [int(t) for t in request.get("tokens", [])]
+        job = HintJob(str(request["req_id"]), str(request["tenant"]), str(request["name"]), bool(request["session"]),
+                      request["hint"], request.get("expected_s"), tokens)  # fmt: skip
+        after: list[concurrent.futures.Future[None]] = []
+        saving = self._saving.get((job.tenant, job.name)) if job.session else None
+        if saving is not None:  # the session's previous turn is still being written: hint what it stores
+            after.append(saving)
+        self._warming = {k: f for k, f in self._warming.items() if not f.done()}
+        self._warming[job.req_id] = asyncio.ensure_future(self._hint(job, after, self.settings.lookup_timeout_s / 2))
+        return {"hint": "started"}
+
+    def _start_hint(self, job: HintJob) -> None:
+        """A finished request's paused/done hint, applied on the loop once its writes are done."""
+        after = list(self._req_writes.pop(job.req_id, []))
+        saving = self._saving.get((job.tenant, job.name)) if job.session else None
+        if saving is not None:
+            after.append(saving)
+        try:
+            self._ready()
+            self._writes.append(asyncio.run_coroutine_threadsafe(self._hint(job, after), self._loop.loop))
+        except Exception as exc:  # noqa: BLE001 - a hint is advice: the request is unaffected
+            self._hint_failed(job, exc)
+
+    async def _hint(
+        self, job: HintJob, after: list[concurrent.futures.Future[None]], wait_s: float | None = None
+    ) -> None:
+        try:
+            if after:  # never cancels them (asyncio.wait): they are the request's own writes
+                await asyncio.wait([asyncio.wrap_future(f) for f in after], timeout=wait_s or self.settings.timeout_s)
+            view = self._ready().for_tenant(job.tenant)
+            if job.session:
+                result = await view.hint(job.name, job.hint, job.expected_s)
+            else:
+                result = await view.hint_tokens(job.name, job.tokens, job.hint, job.expected_s)
+            self._count(hints=1, hint_moved_bytes=result.moved_bytes)
+            log.debug("agentstate hint %s %s: %d chunks, %d in memory, %d bytes brought up", job.hint, job.name,
+                      result.chunks, result.in_memory, result.moved_bytes)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a hint is advice: the request is unaffected
+            self._hint_failed(job, exc)
+
+    def _hint_failed(self, job: HintJob, exc: BaseException) -> None:
+        self._count(hint_errors=1)
+        log.warning("agentstate %s hint for %s (request %s) not applied, the request is unaffected: %s: %s",
+                    job.hint, job.name, job.req_id, type(exc).__name__, exc)  # fmt: skip
+
     # -- completions -------------------------------------------------------------------------------
 
     @never_raises(lambda *_, **__: (None, None))
@@ -828,8 +1047,7 @@ class AgentStateConnector(KVConnectorBase_V1):
         return errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self.role != KVConnectorRole.WORKER:
-            return None
+        """This interval's counts (the scheduler's own too: hints_invalid), summed by vLLM over roles."""
         with self._count_lock:
             if self._stats.is_empty():
                 return None

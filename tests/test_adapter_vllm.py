@@ -464,3 +464,104 @@ def test_preempted_requests_never_store_wrong_kv(tmp: Path, model: str) -> None:
         return checked
 
     assert asyncio.run(check()) >= 8
+
+
+# -- agent hints in kv_transfer_params ------------------------------------------------------------------
+
+HOST_BYTES = 4352 << 10  # 8 chunks of this model (256 tokens x 2 KiB each, encoded), not 9
+PRESSURE = [toks(1100, 60 + i) for i in range(3)]  # 12 chunks: everything not held leaves the host tier
+
+
+def hint(name: str, kind: str, **kw: Any) -> dict[str, Any]:
+    return {"agentstate": {"agent_id": name, "hint": kind, **kw}}
+
+
+BAD_HINTS = [
+    hint("d", "paused"),  # no expected_s
+    hint("d", "sleepy", expected_s=5),
+    hint("bad id!", "resuming"),
+    hint("d", "paused", expected_s="30"),  # a string is not seconds
+    {"agentstate": {"hint": "done"}},  # no name
+]
+
+
+@pytest.fixture(scope="module")
+def hinted(tmp: Path, model: str) -> dict[str, Any]:
+    """One engine on a host tier of 8 chunks over LMDB. Round 0 stores A (paused for 60 s), then B
+    and C (no hint, more recent than A: plain LRU evicts A before them), and a named session S
+    (another tenant) paused; round 1 is pressure (12 new chunks); then A returns (done), B returns,
+    C returns with resuming; last, five requests with malformed hints, one round each."""
+    session = {"agentstate": {"session_id": "agent-h", "state": {}, "hint": "paused", "expected_s": 60}}
+    rounds = [
+        [req(P1[:600], params=hint("a", "paused", expected_s=60)), req(P3[:600]), req(P2[:600]),
+         req(S1, params=session, salt="tenant-s")],
+        [req(p) for p in PRESSURE],
+        [req(P1, params=hint("a", "done"))],
+        [req(P3)],
+        [req(P2, params=hint("c", "resuming"))],
+        *([req(P4, params=bad)] for bad in BAD_HINTS),  # a round each: the connector serves P4 from the 2nd on
+    ]  # fmt: skip
+    tiers = [{"kind": "host", "capacity_bytes": HOST_BYTES}, {"kind": "lmdb"}]
+    connector = {"path": str(tmp / "hints-data"), "tiers": tiers}
+    job = {"model": model, "connector": connector, "rounds": rounds, "round_metrics": True,
+           "sleep": [0, 1, 1]}  # fmt: skip
+    out = run_engine(tmp, "hints", job)
+    out["log"] = (tmp / "hints" / "log.txt").read_text()
+    return out
+
+
+def _delta(out: dict[str, Any], rnd: int, name: str, last: int | None = None) -> float:
+    """How much a metric grew in rounds `rnd` .. `last` (default: that round alone)."""
+    after = out["round_metrics"][rnd if last is None else last].get(name, 0)
+    return after - (out["round_metrics"][rnd - 1].get(name, 0) if rnd else 0)
+
+
+def test_paused_prefix_stays_in_host_memory_under_pressure(base: dict[str, Any], hinted: dict[str, Any]) -> None:
+    """A was stored first and paused: the pressure that pushed B (newer, no hint) down to LMDB left
+    A in host memory, so A's return reads no LMDB bytes and B's does."""
+    lmdb, host = "vllm:agentstate_bytes_read{lmdb}", "vllm:agentstate_bytes_read{host}"
+    (a,), (b,) = hinted["rounds"][2], hinted["rounds"][3]
+    assert a["cached"] == 512 and a["tokens"] == base["P1"]["tokens"]
+    assert b["cached"] == 512 and b["tokens"] == base["P3"]["tokens"]
+    assert _delta(hinted, 2, lmdb) == 0 and _delta(hinted, 2, host) >= 512 * 2048
+    assert _delta(hinted, 3, lmdb) >= 512 * 2048  # the control: pressure did evict what no hint held
+    assert hinted["rounds"][0][3]["tokens"] == base["S1"]["tokens"]
+    assert hinted["round_metrics"][1]["vllm:agentstate_hints"] == 2  # A and the session S, paused
+
+
+def test_resuming_brings_the_prefix_up_before_its_load(base: dict[str, Any], hinted: dict[str, Any]) -> None:
+    """C was pushed down to LMDB; its return carries resuming: the hint brought its chunks up into
+    host memory and the load read none from LMDB; the output is a run without the store's."""
+    (c,) = hinted["rounds"][4]
+    assert c["cached"] == 512 and c["tokens"] == base["P2"]["tokens"]
+    assert _delta(hinted, 4, "vllm:agentstate_hint_moved_bytes") >= 512 * 2048
+    assert _delta(hinted, 4, "vllm:agentstate_bytes_read{lmdb}") == 0
+    assert _delta(hinted, 4, "vllm:agentstate_bytes_read{host}") >= 512 * 2048
+    m = hinted["metrics"]
+    assert m["vllm:agentstate_hints"] == 4 and m["vllm:agentstate_hint_errors"] == 0  # + A's done, C's resuming
+    assert m["vllm:agentstate_errors"] == 0 and m["vllm:agentstate_load_error_blocks"] == 0
+
+
+def test_bad_hint_params_never_fail_the_request(base: dict[str, Any], hinted: dict[str, Any], tmp: Path) -> None:
+    """Malformed hints: each request served as without one (its prefix stored and hit as usual),
+    one warning per request with the typed error, no hint counted by the connector or the store."""
+    bad = [r for (r,) in hinted["rounds"][5:]]
+    assert all(r["tokens"] == base["P4"]["tokens"] for r in bad)
+    assert [r["cached"] for r in bad] == [0, 512, 512, 512, 512]  # stored by the first, loaded by the others
+    last = len(hinted["rounds"]) - 1
+    assert _delta(hinted, 5, "vllm:agentstate_hints_invalid", last) == len(BAD_HINTS)
+    assert _delta(hinted, 5, "vllm:agentstate_hints", last) == 0
+    assert _delta(hinted, 5, "vllm:agentstate_hint_errors", last) == 0
+    warnings = [line for line in hinted["log"].splitlines() if "served without its hint" in line]
+    assert len(warnings) == len(BAD_HINTS), warnings
+    assert all("InvalidArgumentError" in w or "InvalidSessionIdError" in w for w in warnings)
+    data = tmp / "hints-data"
+
+    async def check() -> None:
+        async with StateStore.open(data, spec_of(data), read_only=True) as store:
+            usage = await store.usage()
+            assert usage.hints == 3  # A paused and done, C resuming (S's is tenant-s's): none of the bad ones
+            assert usage.loads == 3 + len(BAD_HINTS) - 1 and usage.tokens_read == 512 * usage.loads
+            assert usage.bytes_read.get("lmdb", 0) >= 512 * 2048  # B's return
+
+    asyncio.run(check())

@@ -6,9 +6,13 @@ JOB: {"model": dir, "connector": extra config dict or null, "chunked_prefill": b
                    "salt": cache_salt or null}, ...], ...], "reset_between_rounds": true,
       "connector_class": optional (e.g. "ExampleConnector"), "kv_load_failure_policy": optional,
       "probe": optional path of a safetensors file {"kv": canonical [layers, 2, n, heads, dim]},
-      "num_blocks": optional KV pool size in blocks, "batched": every round in one generate call}
+      "num_blocks": optional KV pool size in blocks, "batched": every round in one generate call,
+      "sleep": optional seconds to wait before each round (a tool pause: the store's writes land),
+      "round_metrics": true to read the metrics after every round}
 OUT:  {"rounds": [[{"tokens": [...], "cached": num_cached_tokens, "ttft": s, "e2e": s}]],
-       "metrics": {name: value}, "probe": BlockProbe.probe_blocks's answer when asked}
+       "metrics": {name: value}, "round_metrics": [{name: value} after each round] when asked,
+       "probe": BlockProbe.probe_blocks's answer when asked}
+Metrics are summed by name; one with a `tier` label is keyed `name{tier}` (vllm:agentstate_bytes_read{lmdb}).
 
 One request per `generate` call and float32, so outputs are deterministic (shared/notes/vllm-cpu.md).
 """
@@ -82,6 +86,22 @@ class BlockProbe:
         return out
 
 
+def read_metrics(llm: object) -> dict:
+    """The engine's prefix-cache, preemption and agentstate metrics, summed by name (and tier)."""
+    metrics: dict = {}
+    try:
+        for metric in llm.get_metrics():  # type: ignore[attr-defined]
+            if any(k in metric.name for k in ("agentstate", "external_prefix_cache", "prefix_cache", "preemptions")):
+                value = getattr(metric, "value", None)
+                if value is not None:
+                    tier = (getattr(metric, "labels", None) or {}).get("tier")
+                    name = f"{metric.name}{{{tier}}}" if tier else metric.name
+                    metrics[name] = metrics.get(name, 0) + value
+    except Exception as exc:  # noqa: BLE001
+        metrics["error"] = repr(exc)
+    return metrics
+
+
 def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -105,8 +125,11 @@ def run(job: dict) -> dict:
         kwargs["worker_extension_cls"] = "vllm_engine.BlockProbe"
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
-    out = {"startup_s": time.perf_counter() - t0, "rounds": []}
+    out = {"startup_s": time.perf_counter() - t0, "rounds": [], "round_metrics": []}
     for i, requests in enumerate(job["rounds"]):
+        sleeps = job.get("sleep", [])
+        if i < len(sleeps) and sleeps[i]:
+            time.sleep(sleeps[i])
         resets = job.get("reset", [])
         if i and (resets[i] if i < len(resets) else job.get("reset_between_rounds", True)):
             # blocks of a finished session request stay held until its snapshot is written: retry
@@ -143,16 +166,9 @@ def run(job: dict) -> dict:
                             "cached": res.num_cached_tokens,
                             "ttft": ttft, "e2e": e2e})
         out["rounds"].append(results)
-    metrics = {}
-    try:
-        for metric in llm.get_metrics():
-            if any(k in metric.name for k in ("agentstate", "external_prefix_cache", "prefix_cache", "preemptions")):
-                value = getattr(metric, "value", None)
-                if value is not None:
-                    metrics[metric.name] = metrics.get(metric.name, 0) + value
-    except Exception as exc:  # noqa: BLE001
-        metrics["error"] = repr(exc)
-    out["metrics"] = metrics
+        if job.get("round_metrics"):
+            out["round_metrics"].append(read_metrics(llm))
+    out["metrics"] = read_metrics(llm)
     if job.get("probe"):
         bs = llm.llm_engine.vllm_config.cache_config.block_size
         out["probe"] = llm.collective_rpc("probe_blocks", args=(job["probe"], bs, 1e-3))[0]
