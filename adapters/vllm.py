@@ -39,9 +39,12 @@ next seconds (see `agentstate.hints`)::
 
     kv_transfer_params={"agentstate": {"agent_id": "agent-7", "hint": "paused", "expected_s": 30}}
 
-- `hint`: `"paused"` (this turn ended with a tool call expected to take `expected_s` seconds, a
-  number > 0, required), `"resuming"` (the tool returned: this request is the next turn) or
-  `"done"` (the agent will not be back soon).
+- `hint`: `"resuming"` (the tool returned: this request is the agent's next turn), `"paused"`
+  (this turn ends with a tool call expected to take `expected_s` seconds, a number > 0, required)
+  or `"done"` (the agent will not be back soon after this turn); or a list of `"resuming"` and one
+  of the other two, for a returning turn that is expected to end in another tool call
+  (`["resuming", "paused"]`) or to be the last (`["resuming", "done"]`). The framework sends what
+  it expects when it sends the request: most agent turns end in a tool call.
 - `agent_id`: the name the hold goes under, one per name and tenant (`[A-Za-z0-9_.:@-]`, 1-128
   chars): the agent session's id. A request that names a session (`session_id`) hints that session,
   tail included; `agent_id` may then be left out (if given, it must equal `session_id`).
@@ -201,9 +204,10 @@ HINT_KEYS = ("hint", "expected_s", "agent_id")
 
 @dataclass(frozen=True)
 class RequestHint:
-    """The agent hint of one request's kv_transfer_params."""
+    """The agent hints of one request's kv_transfer_params: one when it arrives, one when it finishes."""
 
-    kind: HintKind
+    arrival: HintKind | None  # resuming
+    finish: HintKind | None  # paused or done
     expected_s: float | None
     name: str
     session: bool  # the name is the request's session_id: the named session is hinted (tail included)
@@ -219,14 +223,23 @@ def hint_of(params: Any) -> RequestHint | None:
         return None
     if "hint" not in own:
         raise InvalidArgumentError(f"agentstate params {sorted(k for k in HINT_KEYS if k in own)} without a hint")
-    parsed = Hint.parse(own["hint"], own.get("expected_s"))
+    kinds = own["hint"] if isinstance(own["hint"], list) else [own["hint"]]
+    parsed = [Hint.parse(k, own.get("expected_s")) for k in kinds]
+    arrival = [h.hint for h in parsed if h.hint == "resuming"]
+    finish = [h.hint for h in parsed if h.hint != "resuming"]
+    if not parsed or len(arrival) > 1 or len(finish) > 1:
+        raise InvalidArgumentError(
+            f"hint {own['hint']!r}: one hint, or a list of resuming and one of paused/done (what the request"
+            " returns from, what its end starts)"
+        )
     sid, agent = own.get("session_id"), own.get("agent_id")
     if sid is None and agent is None:
         raise InvalidArgumentError("a hint needs agent_id (or the request's session_id) to name its hold")
     if sid is not None and agent is not None and agent != sid:
         raise InvalidArgumentError(f"hint agent_id {agent!r} is not the request's session_id {sid!r}")
     name = validate_id(sid if sid is not None else agent, "agent_id" if sid is None else "session id")
-    return RequestHint(parsed.hint, parsed.expected_s, name, session=sid is not None)
+    expected = next((h.expected_s for h in parsed if h.hint == "paused"), None)
+    return RequestHint(arrival[0] if arrival else None, finish[0] if finish else None, expected, name, sid is not None)
 
 
 # -- metadata: what the scheduler tells the worker each step ------------------------------------------
@@ -507,13 +520,13 @@ class AgentStateConnector(KVConnectorBase_V1):
         """A resuming hint goes to the worker once, as soon as the request is seen: the worker brings
         the prompt's stored prefix up into host memory on its loop (the reply does not wait for it)."""
         hint = self._hint_for(request)
-        if hint is None or hint.kind != "resuming" or request.request_id in self._hinted:
+        if hint is None or hint.arrival is None or request.request_id in self._hinted:
             return
         self._hinted.add(request.request_id)
         tokens = list(request.prompt_token_ids or request.all_token_ids)
         tenant = tenant_of(request.cache_salt, self.config.tenant)
         self._ask({"op": "hint", "req_id": request.request_id, "tenant": tenant, "name": hint.name,
-                   "session": hint.session, "hint": hint.kind, "expected_s": hint.expected_s,
+                   "session": hint.session, "hint": hint.arrival, "expected_s": None,
                    "tokens": tokens})  # fmt: skip
 
     @never_raises(lambda *_, **__: None)
@@ -637,8 +650,8 @@ class AgentStateConnector(KVConnectorBase_V1):
         self._hints.pop(req_id, None)
         n = min(int(request.num_computed_tokens), len(request.all_token_ids))
         tenant = tenant_of(request.cache_salt, self.config.tenant)
-        if hint is not None and hint.kind != "resuming":
-            self._hint_jobs.append(HintJob(req_id, tenant, hint.name, hint.session, hint.kind, hint.expected_s,
+        if hint is not None and hint.finish is not None:
+            self._hint_jobs.append(HintJob(req_id, tenant, hint.name, hint.session, hint.finish, hint.expected_s,
                                            list(request.all_token_ids[:n])))  # fmt: skip
         session = session_of(request.kv_transfer_params)
         if session is not None and n > 0 and block_ids:
@@ -646,7 +659,7 @@ class AgentStateConnector(KVConnectorBase_V1):
             job = SessionJob(req_id, tenant, session[0], session[1], tokens, list(block_ids))
             self._sessions.append(job)
             return True, None
-        if (tracked is not None and tracked.saved > 0) or (hint is not None and hint.kind != "resuming"):
+        if (tracked is not None and tracked.saved > 0) or (hint is not None and hint.finish is not None):
             self._released.append(req_id)  # a hint alone: reported at once, the engine steps to deliver it
             return True, None
         return False, None
