@@ -51,7 +51,9 @@ next seconds (see `agentstate.hints`)::
 - `resuming` applies when the request arrives (vLLM's `on_new_request`, before it is scheduled):
   the worker starts bringing the stored prefix of the prompt (`StateStore.hint_tokens`; a named
   session: `StateStore.hint`) up from LMDB/Redis into host memory on its loop, and the request's
-  load waits for that (at most half of `timeout_s`) and reads host memory.
+  load waits for that (at most half of `timeout_s`) and reads host memory. When vLLM's own prefix
+  cache holds the prompt's first chunks, only the stored chunks past them are brought up (no hold:
+  the load follows at once), and nothing when it holds all that is stored (`hints_skipped`).
 - `paused` and `done` apply when the request finishes, once what the connector stores for it is
   written: `paused` holds the prefix stored for the request (its tokens through the end of the
   request: prompt and generated) in the fast tiers for about `2 * expected_s` (eviction takes
@@ -288,6 +290,7 @@ class HintJob:
     hint: HintKind
     expected_s: float | None
     tokens: list[int]
+    local: int = 0  # resuming: leading tokens vLLM's own prefix cache holds (nothing to bring up for them)
 
 
 @dataclass
@@ -314,7 +317,7 @@ class _Tracked:
 
 STAT_KEYS = (
     "hit_tokens", "loaded_tokens", "stored_tokens", "load_error_blocks", "sessions_saved", "saves_dropped",
-    "saves_revoked", "errors", "hints", "hint_moved_bytes", "hint_errors", "hints_invalid",
+    "saves_revoked", "errors", "hints", "hint_moved_bytes", "hint_errors", "hints_invalid", "hints_skipped",
 )  # fmt: skip
 BYTES_READ = "bytes_read:"  # + a tier's name: stored bytes loads read from that tier
 
@@ -362,6 +365,7 @@ class AgentStatePromMetrics(KVConnectorPromMetrics):
             "hint_moved_bytes": "stored bytes resuming hints brought up into host memory",
             "hint_errors": "agent hints the store could not apply (the request is unaffected)",
             "hints_invalid": "requests whose hint params were malformed (ignored, the request served without)",
+            "hints_skipped": "resuming hints not needed: vLLM's own prefix cache held all that is stored",
         }
         self.counters = {}
         for key, doc in helps.items():
@@ -527,7 +531,25 @@ class AgentStateConnector(KVConnectorBase_V1):
         tenant = tenant_of(request.cache_salt, self.config.tenant)
         self._ask({"op": "hint", "req_id": request.request_id, "tenant": tenant, "name": hint.name,
                    "session": hint.session, "hint": hint.arrival, "expected_s": None,
-                   "tokens": tokens})  # fmt: skip
+                   "tokens": tokens, "local": self._local_hit(request)})  # fmt: skip
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._block_pool = gpu_block_pool  # what vLLM's own prefix cache holds (read only)
+
+    def _local_hit(self, request: Request) -> int:
+        """Leading prompt tokens vLLM's own prefix cache holds now (0 when it cannot be asked)."""
+        pool, hashes = getattr(self, "_block_pool", None), getattr(request, "block_hashes", None)
+        if pool is None or not hashes:
+            return 0
+        try:
+            n = 0
+            for block_hash in hashes:
+                if not pool.get_cached_block(block_hash, [0]):
+                    break
+                n += 1
+            return n * self.block_size
+        except Exception:  # noqa: BLE001 - another vLLM's block pool: bring up everything stored
+            return 0
 
     @never_raises(lambda *_, **__: None)
     def on_new_request(self, request: Request) -> None:
@@ -994,7 +1016,7 @@ class AgentStateConnector(KVConnectorBase_V1):
         """A resuming hint of a request that just arrived (on the loop): started now, not awaited."""
         tokens = [int(t) for t in request.get("tokens", [])]
         job = HintJob(str(request["req_id"]), str(request["tenant"]), str(request["name"]), bool(request["session"]),
-                      request["hint"], request.get("expected_s"), tokens)  # fmt: skip
+                      request["hint"], request.get("expected_s"), tokens, int(request.get("local", 0)))  # fmt: skip
         after: list[concurrent.futures.Future[None]] = []
         saving = self._saving.get((job.tenant, job.name)) if job.session else None
         if saving is not None:  # the session's previous turn is still being written: hint what it stores
@@ -1022,6 +1044,9 @@ class AgentStateConnector(KVConnectorBase_V1):
             if after:  # never cancels them (asyncio.wait): they are the request's own writes
                 await asyncio.wait([asyncio.wrap_future(f) for f in after], timeout=wait_s or self.settings.timeout_s)
             view = self._ready().for_tenant(job.tenant)
+            if job.hint == "resuming" and not job.session and job.local >= self.chunk_tokens:
+                await self._warm_past(view, job)
+                return
             if job.session:
                 result = await view.hint(job.name, job.hint, job.expected_s)
             else:
@@ -1031,6 +1056,25 @@ class AgentStateConnector(KVConnectorBase_V1):
                       result.chunks, result.in_memory, result.moved_bytes)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - a hint is advice: the request is unaffected
             self._hint_failed(job, exc)
+
+    async def _warm_past(self, view: StateStore, job: HintJob) -> None:
+        """Resuming, when vLLM's own prefix cache holds the prompt's first `job.local` tokens: bring up
+        only the stored chunks past them (what the load will read). `hint_tokens` would bring up the
+        whole prefix, evicting for chunks the load never reads; the request's load follows at once,
+        so no hold is placed (the hold of its paused hint, if any, lasts until its end)."""
+        c = self.chunk_tokens
+        keys = self._keys(job.tokens, job.tenant)
+        stored = await view.chunks.lookup(keys)
+        first = job.local // c
+        if stored <= first:
+            self._count(hints_skipped=1)  # vLLM's own cache holds all of it: nothing to bring up
+            return
+        todo = list(keys[first:stored])
+        with view.chunks.pinned(todo):
+            await view.chunks.discover(todo)
+            moved, moved_bytes = await view.chunks.warm(todo, [c] * len(todo))
+        view.usage_log.add(view.tenant, None, {"hints": 1})
+        self._count(hints=1, hint_moved_bytes=moved_bytes)
 
     def _hint_failed(self, job: HintJob, exc: BaseException) -> None:
         self._count(hint_errors=1)
