@@ -798,11 +798,8 @@ async def main_async(args: argparse.Namespace) -> None:
     results.sort(key=lambda r: (configs.index(r.config), MODES.index(r.mode)))
     took = time.perf_counter() - started
     if args.dump:
-        with open(args.dump, "w") as f:
-            for r in results:
-                f.writelines(
-                    json.dumps({"config": r.config, "mode": r.mode, **dataclasses.asdict(t)}) + "\n" for t in r.turns
-                )
+        dump = [{"config": r.config, "mode": r.mode, **dataclasses.asdict(t)} for r in results for t in r.turns]
+        Path(args.dump).write_text("".join(json.dumps(row) + "\n" for row in dump))
     cmd = "python benchmarks/bench_agents.py" + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")
     section = render(cmd, trace, ws, results, cals, args, took)
     print(section)
