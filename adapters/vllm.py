@@ -66,7 +66,7 @@ next seconds (see `agentstate.hints`)::
 
 Metrics (`vllm:agentstate_*`): besides the counts below, `bytes_read{tier=...}` (stored bytes loads
 read, per tier), `hints`, `hint_moved_bytes` (resuming: bytes brought up into host memory),
-`hint_errors`, `hints_invalid`. Loads are also counted in the store's usage (`StateStore.usage()`:
+`hint_errors`, `hints_invalid`, `hints_skipped`. Loads are also counted in the store's usage (`StateStore.usage()`:
 loads, tokens_read, bytes_read per tier).
 
 Never raises into vLLM's threads: every engine-facing call answers a miss (or a failed load) and
