@@ -1072,7 +1072,7 @@ class AgentStateConnector(KVConnectorBase_V1):
         todo = list(keys[first:stored])
         with view.chunks.pinned(todo):
             await view.chunks.discover(todo)
-            moved, moved_bytes = await view.chunks.warm(todo, [c] * len(todo))
+            _, moved_bytes = await view.chunks.warm(todo, [c] * len(todo))
         view.usage_log.add(view.tenant, None, {"hints": 1})
         self._count(hints=1, hint_moved_bytes=moved_bytes)
 
