@@ -26,8 +26,9 @@ import time
 
 
 def make_model(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 2, kv_heads: int = 2,
-               vocab: int = 512, seed: int = 0) -> str:
-    """A tiny random-weight Llama in float32 (safetensors) and a WordLevel tokenizer, in `path`."""
+               vocab: int = 512, seed: int = 0, head_dim: int | None = None) -> str:
+    """A tiny random-weight Llama in float32 (safetensors) and a WordLevel tokenizer, in `path`
+    (`head_dim`: other than hidden / heads, for more KV per token at little more compute)."""
     import torch
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -39,7 +40,8 @@ def make_model(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 2,
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=16384,
-                         torch_dtype="float32", tie_word_embeddings=False)
+                         torch_dtype="float32", tie_word_embeddings=False,
+                         **({"head_dim": head_dim} if head_dim else {}))
     model = LlamaForCausalLM(config).to(torch.float32)
     with torch.no_grad():  # sharper logits: greedy tokens depend on the context, not on noise
         for p in model.parameters():
