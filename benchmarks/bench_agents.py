@@ -170,6 +170,7 @@ class RunResult:
     config: str
     mode: str
     wall_s: float
+    agents: int = 0  # root agents of the trace
     turns: list[Returning] = field(default_factory=list)
     snapshots: int = 0
     paused_calls: int = 0
@@ -183,6 +184,9 @@ class RunResult:
     failures: list[str] = field(default_factory=list)
     device_read: int = 0  # bytes this process read from the disk during the replay
     quiet_wait_s: float = 0.0  # waited for other processes to go quiet before the run
+    loop_lag_s: list[float] = field(default_factory=list)  # event loop lateness, sampled every 10 ms
+    own_cores: float = 0.0  # cores this process and its redis-server used during the replay
+    redis_sent: int = 0  # bytes redis-server sent during the run (every read, promotions' re-reads included)
 
 
 class Replay:
@@ -197,8 +201,20 @@ class Replay:
     async def run(self) -> None:
         self.t0 = time.perf_counter()
         roots = [a for a in self.trace.agents if a.parent is None]
-        await asyncio.gather(*(self._root(a) for a in roots))
+        lag = asyncio.create_task(self._loop_lag())
+        try:
+            await asyncio.gather(*(self._root(a) for a in roots))
+        finally:
+            lag.cancel()
         self.res.wall_s = time.perf_counter() - self.t0
+
+    async def _loop_lag(self, every_s: float = 0.01) -> None:
+        """How late the event loop wakes a 10 ms sleep: the process's own queueing, which every
+        restore waits in too."""
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(every_s)
+            self.res.loop_lag_s.append(time.perf_counter() - t - every_s)
 
     async def _root(self, a: Agent) -> None:
         await asyncio.sleep(max(0.0, self.t0 + a.start_s - time.perf_counter()))
@@ -340,6 +356,17 @@ def cpu_ticks(pids: list[int]) -> tuple[int, int]:
     return busy, own
 
 
+def redis_sent(url: str) -> int:
+    """Bytes redis-server has sent to its clients (INFO stats total_net_output_bytes)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.info("stats")["total_net_output_bytes"])
+    finally:
+        client.close()
+
+
 def others_cores(window_s: float = 2.0) -> float:
     """Cores other processes kept busy over the next `window_s` seconds."""
     busy0, own0 = cpu_ticks([os.getpid()])
@@ -379,6 +406,7 @@ async def run_one(kind: str, mode: str, trace: Trace, engine: Engine, host_bytes
         gc.collect()
         res.drop_caches = drop_caches()
         res.quiet_wait_s = wait_quiet(quiet)
+        sent0 = redis_sent(url) if url is not None else 0
         cfg = store_config(kind, data, host_bytes, url, share)
         async with StateStore.open(cfg, SPEC) as store:
             busy0, own0 = cpu_ticks(pids)
@@ -388,8 +416,12 @@ async def run_one(kind: str, mode: str, trace: Trace, engine: Engine, host_bytes
             res.device_read = device_read_bytes() - d0
             busy1, own1 = cpu_ticks(pids)
             hz = os.sysconf("SC_CLK_TCK")
-            res.others_cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / hz / (time.perf_counter() - w0)
+            span = time.perf_counter() - w0
+            res.others_cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / hz / span
+            res.own_cores = (own1 - own0) / hz / span
             res.tier_counters = store.chunks.tier_counters()
+        if url is not None:
+            res.redis_sent = redis_sent(url) - sent0
     finally:
         if server is not None:
             server.stop()
@@ -520,30 +552,38 @@ def mix_text(mix: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.0%}" for k, v in mix.items()) or "-"
 
 
+def label(r: RunResult) -> str:
+    return f"{r.config}, {r.agents} agents"
+
+
 def plot(results: list[RunResult], png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    groups = list(dict.fromkeys(label(r) for r in results))
+    cols = len(groups) + 1
+    fig, axes = plt.subplots(1, cols, figsize=(4.2 * cols, 4.4), gridspec_kw={"width_ratios": [3] * len(groups) + [4]})
     colors = {"lru": "tab:red", "hints": "tab:blue", "holds": "tab:orange", "hints+wait": "tab:green"}
-    styles = {"lmdb": "-", "redis": "--"}
-    for r in results:
-        lat = np.sort([t.latency_s * 1e3 for t in r.turns])
-        if not len(lat):
-            continue
-        y = np.arange(1, len(lat) + 1) / len(lat)
-        a.plot(lat, y, styles.get(r.config, "-"), color=colors.get(r.mode), label=f"{r.config} / {r.mode}")
-    a.set_xscale("log")
-    a.set_xlabel("returning-turn restore latency, resume() (ms, log scale)")
-    a.set_ylabel("fraction of returning turns")
-    for q in (0.5, 0.99):
-        a.axhline(q, color="grey", lw=0.5)
-    a.grid(True, which="both", alpha=0.3)
-    a.legend(fontsize=8)
-    a.set_title("restore latency CDF (solid: LMDB below, dashed: Redis below)")
-    names = [f"{r.config}\n{r.mode}" for r in results]
+    for ax, g in zip(axes, groups):
+        for r in results:
+            if label(r) != g or not r.turns:
+                continue
+            lat = np.sort([t.latency_s * 1e3 for t in r.turns])
+            y = np.arange(1, len(lat) + 1) / len(lat)
+            p50 = pct([t.latency_s for t in r.turns], 50) * 1e3
+            ax.plot(lat, y, color=colors.get(r.mode), label=f"{r.mode} (p50 {p50:.1f} ms)")
+        ax.set_xscale("log")
+        ax.set_xlabel("resume() latency, ms (log)")
+        for q in (0.5, 0.99):
+            ax.axhline(q, color="grey", lw=0.5)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+        ax.set_title(f"{g}: returning turns", fontsize=10)
+    axes[0].set_ylabel("fraction of returning turns")
+    b = axes[-1]
+    names = [f"{r.config} x{r.agents}\n{r.mode}" for r in results]
     mixes = [summary(r)["mix"] for r in results]
     tier_colors = {"host": "tab:green", "lmdb": "tab:orange", "redis": "tab:purple", "staged": "tab:grey"}
     bottom = np.zeros(len(results))
@@ -551,12 +591,12 @@ def plot(results: list[RunResult], png: Path) -> None:
         vals = np.array([m.get(tier, 0.0) for m in mixes])
         b.bar(names, vals, bottom=bottom, label=tier, color=tier_colors.get(tier))
         bottom += vals
-    b.set_ylabel("share of the stored bytes returning turns read")
-    b.set_title("where returning turns' KV came from")
-    b.tick_params(axis="x", labelsize=8)
+    b.set_ylabel("share of the stored bytes they read")
+    b.set_title("where returning turns' KV came from", fontsize=10)
+    b.tick_params(axis="x", labelsize=7)
     b.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=100)
     plt.close(fig)
 
 
@@ -592,39 +632,50 @@ MODE_TEXT = {
 }
 
 
+@dataclass
+class Group:
+    """One config at one agent count: its trace, working set and host tier, and its calibration."""
+
+    config: str
+    agents: int
+    trace: Trace
+    ws: Any
+    host: int
+    cal: Calibration | None = None
+
+
 def render(
-    cmd: str, trace: Trace, ws: Any, results: list[RunResult], cals: list[Calibration], args: argparse.Namespace,
-    took: float,
+    cmd: str, groups: list[Group], results: list[RunResult], args: argparse.Namespace, took: float
 ) -> str:  # fmt: skip
-    st = trace.stats()
-    host = results[0].host_capacity if results else 0
-    s = {(r.config, r.mode): summary(r) for r in results}
+    big = max(groups, key=lambda g: g.agents)
+    st = big.trace.stats()
+    trace = big.trace
+    s = {(r.config, r.agents, r.mode): summary(r) for r in results}
     modes = list(dict.fromkeys(r.mode for r in results))
     trace_s = st.duration_s * trace.time_scale
     head = (
-        f"Trace (`benchmarks/agent_trace.py`, seed {args.seed}): {st.root_agents} agents, all running at once (each"
-        f" starts in the first {args.start_window:g} s of trace time), plus {st.sub_agents} sub-agents forked from"
-        f" {st.agents_that_fork} of them (a fork of the parent's session; the parent's tool call lasts until the"
-        f" sub-agent is done); turns per agent median {st.turns_median:g} (max {st.turns_max}); {st.requests} requests;"
-        f" input:output {st.input_output_ratio:.0f}:1 (each prompt counted whole); prefix hit rate"
+        f"Trace (`benchmarks/agent_trace.py`, seed {args.seed}; figures for its {st.root_agents}-agent version):"
+        f" root agents all running at once (each starts in the first {args.start_window:g} s of trace time), plus"
+        f" {st.sub_agents} sub-agents forked from {st.agents_that_fork} of them (a fork of the parent's session; the"
+        f" parent's tool call lasts until the sub-agent is done); turns per agent median {st.turns_median:g} (max"
+        f" {st.turns_max}); input:output {st.input_output_ratio:.0f}:1 (each prompt counted whole); prefix hit rate"
         f" {st.prefix_hit_rate:.1%} (the share of each prompt the session, its parent or the shared system prompt"
         f" already had); tool pauses p50 {st.pause_p50_s:.1f} s, p90 {st.pause_p90_s:.0f} s, p99"
         f" {st.pause_p99_s:.0f} s, max {st.pause_max_s:.0f} s (lognormal; sub-agent waits included); the framework's"
         f" expected_s is the actual pause times lognormal noise (sigma 0.5). Replayed at time scale"
         f" {trace.time_scale:g} ({st.duration_s:.0f} s of trace in {trace_s:.0f} s); token counts x"
         f"{trace.token_scale:g} of the trace's (system prompt {trace.system_tokens} tokens; final contexts median"
-        f" {st.final_context_median}, max {st.final_context_max})."
+        f" {st.final_context_median}, max {st.final_context_max}). The {min(g.agents for g in groups)}-agent trace"
+        " is the same trace's first agents (same seed), a lighter load on the same machine."
     )
     kv = (
         f"KV: {SPEC.model_id} (Qwen2.5-0.5B's shape: {SPEC.num_layers} layers x {SPEC.num_kv_heads} KV heads x"
         f" {SPEC.head_dim} dim, bf16, {SPEC.token_bytes // 1024} KiB/token), {CHUNK}-token chunks, random bytes"
-        " (shared tokens get equal bytes). Working set, computed from the trace: the peak of the KV of the sessions"
-        f" live at once, {ws.peak_unique_bytes / GB:.2f} GB of distinct chunks and tails"
-        f" ({ws.peak_logical_bytes / GB:.2f} GB counting shared prefixes once per session; time-weighted mean"
-        f" {ws.mean_unique_bytes / GB:.2f} GB). Host tier: {host / GB:.3f} GB, 1/4 of the peak; below it LMDB"
-        " (`lmdb`) or Redis with the catalog in it (`redis`, Redis the record tier). hint_tenant_share"
-        f" {args.share:g} (every agent in one tenant). A request comes {args.gap_ms:g} ms after its tool returns,"
-        " in every mode (the framework's own time). The engine: "
+        " (shared tokens get equal bytes). Working set, computed from each trace: the peak of the KV of the sessions"
+        " live at once (distinct chunks and tails); the host tier holds 1/4 of it; below it LMDB (`lmdb`) or Redis"
+        " with the catalog in it (`redis`, Redis the record tier, its own redis-server on loopback)."
+        f" hint_tenant_share {args.share:g} (every agent in one tenant). A request comes {args.gap_ms:g} ms after its"
+        " tool returns, in every mode (the framework's own time). The engine: "
         f"{args.slots} preallocated, touched KV buffers that restores land in (`resume(into=...)`); each turn"
         " appends its new tokens' KV, waits its model time and snapshots the whole context."
     )
@@ -640,6 +691,20 @@ def render(
         kv,
         "",
         (
+            "| config | root agents (+ sub-agents) | requests | working set: peak (counting shared prefixes per"
+            " session; time-weighted mean) | host tier |"
+        ),
+        "|---|---:|---:|---|---:|",
+    ]
+    for g in groups:
+        gs = g.trace.stats()
+        lines.append(
+            f"| {g.config} | {g.agents} (+{gs.sub_agents}) | {gs.requests} | {g.ws.peak_unique_bytes / GB:.2f} GB"
+            f" ({g.ws.peak_logical_bytes / GB:.2f}; {g.ws.mean_unique_bytes / GB:.2f}) | {g.host / GB:.3f} GB |"
+        )
+    lines += [
+        "",
+        (
             "Modes, each on the same trace, a fresh data directory (and redis-server) after drop_caches"
             f" ({'done' if all(r.drop_caches for r in results) else 'NOT permitted'}), after waiting (at most 30 s) for"
             " other processes to use under 0.3 cores:"
@@ -650,62 +715,75 @@ def render(
         (
             "Restore latency: `resume()` of a returning turn (after a tool call, or a sub-agent's first turn), the"
             " request's critical path. Source: the session's usage `bytes_read` per tier, before and after. Every"
-            " restore is checked: all tokens back, and xxh3 of the KV equal to what was snapshotted."
+            " restore is checked: all tokens back, and xxh3 of the KV equal to what was snapshotted. CPU: cores used"
+            " during the run by this process and its redis-server / by everything else (kernel threads included)."
         ),
         "",
         (
-            "| config | mode | returning turns | p50 ms | p90 ms | p99 ms | mean ms | bytes read from | turns read"
-            " wholly from host | bit-exact | run s (trace s) | others' CPU, cores | disk reads |"
+            "| config | agents | mode | returning turns | p50 ms | p90 ms | p99 ms | mean ms | bytes read from | turns"
+            " read wholly from host | bit-exact | run s (trace s) | event loop lag p50 / p99 ms | CPU, cores: ours /"
+            " others | disk reads |"
         ),
-        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        x = s[(r.config, r.mode)]
+        x = s[(r.config, r.agents, r.mode)]
         lines.append(
-            f"| {r.config} | {r.mode} | {x['n']} | {ms(x['p50'])} | {ms(x['p90'])} | {ms(x['p99'])} | {ms(x['mean'])}"
-            f" | {mix_text(x['mix'])} of {x['read_gb']:.1f} GB | {x['host_only']:.0%} | {x['exact']}/{x['n']}"
-            f" | {r.wall_s:.0f} ({trace_s:.0f}) | {r.others_cores or 0.0:.2f} | {r.device_read / MB:.0f} MB |"
+            f"| {r.config} | {r.agents} | {r.mode} | {x['n']} | {ms(x['p50'])} | {ms(x['p90'])} | {ms(x['p99'])}"
+            f" | {ms(x['mean'])} | {mix_text(x['mix'])} of {x['read_gb']:.1f} GB | {x['host_only']:.0%}"
+            f" | {x['exact']}/{x['n']} | {r.wall_s:.0f} ({trace_s:.0f}) | {ms(pct(r.loop_lag_s, 50))} /"
+            f" {ms(pct(r.loop_lag_s, 99))} | {r.own_cores:.2f} / {r.others_cores or 0.0:.2f}"
+            f" | {r.device_read / MB:.0f} MB |"
         )
-    lines += ["", "| config | mode | lru p50 / mode p50 | lru p99 / mode p99 | goal: p50 >= 2x lower |"]
-    lines.append("|---|---|---:|---:|---|")
-    for cfg in dict.fromkeys(r.config for r in results):
+    lines += ["", "| config | agents | mode | lru p50 / mode p50 | lru p99 / mode p99 | goal: p50 >= 2x lower |"]
+    lines.append("|---|---:|---|---:|---:|---|")
+    for g in groups:
         for mode in modes[1:]:
-            if (cfg, "lru") in s and (cfg, mode) in s:
-                lo, hi = s[(cfg, "lru")], s[(cfg, mode)]
-                r50, r99 = lo["p50"] / hi["p50"], lo["p99"] / hi["p99"]
-                goal = ("met" if r50 >= 2 else "not met") if mode == "hints" else "(diagnostic)"
-                lines.append(f"| {cfg} | {mode} | {r50:.2f}x | {r99:.2f}x | {goal} |")
-    lines += ["", "![restore latency CDF and source tiers](bench_agents.png)", ""]
+            lo, hi = s.get((g.config, g.agents, "lru")), s.get((g.config, g.agents, mode))
+            if lo is None or hi is None:
+                continue
+            r50, r99 = lo["p50"] / hi["p50"], lo["p99"] / hi["p99"]
+            goal = ("**met**" if r50 >= 2 else "not met") if mode == "hints" else "(diagnostic)"
+            lines.append(f"| {g.config} | {g.agents} | {mode} | {r50:.2f}x | {r99:.2f}x | {goal} |")
+    lines += ["", "![restore latency CDFs and source tiers](bench_agents.png)", ""]
+    cals = [(g, g.cal) for g in groups if g.cal is not None]
     if cals:
         lines += [
             (
-                "The same operations on an idle store of each config, in the same run (one session of"
-                f" {cals[0].tokens} tokens, {cals[0].nbytes / MB:.0f} MB, the replay's median returning turn; median of 4):"
+                "The same operations on an idle store of each config, in the same run (one session of the replay's"
+                " median returning-turn size; median of 4):"
             ),
             "",
             (
-                "| config | resume() from the tier below | resume() from host | ratio (the most hints can gain) |"
-                " resuming() (prefetch into host) | resume() after it |"
+                "| config | session | resume() from the tier below | resume() from host | ratio (the most a hint can"
+                " gain) | resuming() (prefetch into host) | resume() after it |"
             ),
-            "|---|---:|---:|---:|---:|---:|",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
-        for c in cals:
+        for g, c in cals:
             lines.append(
-                f"| {c.config} | {ms(c.slow_s)} ms ({c.nbytes / c.slow_s / GB:.1f} GB/s) | {ms(c.host_s)} ms"
-                f" ({c.nbytes / c.host_s / GB:.1f} GB/s) | {c.slow_s / c.host_s:.1f}x | {ms(c.resuming_s)} ms"
-                f" ({c.nbytes / c.resuming_s / GB:.1f} GB/s) | {ms(c.after_s)} ms |"
+                f"| {g.config} ({g.agents} agents) | {c.tokens} tokens, {c.nbytes / MB:.0f} MB | {ms(c.slow_s)} ms"
+                f" ({c.nbytes / c.slow_s / GB:.1f} GB/s) | {ms(c.host_s)} ms ({c.nbytes / c.host_s / GB:.1f} GB/s)"
+                f" | {c.slow_s / c.host_s:.1f}x | {ms(c.resuming_s)} ms ({c.nbytes / c.resuming_s / GB:.1f} GB/s)"
+                f" | {ms(c.after_s)} ms |"
             )
         lines.append("")
     lines += ["What the hinted runs did (off the critical path and around it):", ""]
     for r in results:
         if r.mode == "lru":
             continue
-        x = s[(r.config, r.mode)]
-        lru = s.get((r.config, "lru"))
+        x = s[(r.config, r.agents, r.mode)]
+        host = r.host_capacity
         inmem = float(np.mean(r.paused_in_memory)) if r.paused_in_memory else float("nan")
-        slow_tier = [t for t in r.tier_counters if t != "host"]
-        slow_read = sum(r.tier_counters[t].get("read_bytes", 0) for t in slow_tier)
-        parts = [f"- {r.config} / {r.mode}:"]
+        slow_read = sum(c.get("read_bytes", 0) for t, c in r.tier_counters.items() if t != "host")
+        lru_slow = sum(
+            c.get("read_bytes", 0)
+            for rr in results
+            if (rr.config, rr.agents, rr.mode) == (r.config, r.agents, "lru")
+            for t, c in rr.tier_counters.items()
+            if t != "host"
+        )
+        parts = [f"- {r.config}, {r.agents} agents, {r.mode}:"]
         if x["prefetches"]:
             parts.append(
                 f"{x['prefetches']} `resuming()` prefetches ran {x['prefetch_sum']:.0f} s in all (p50"
@@ -717,20 +795,9 @@ def render(
             )
         parts.append(
             f"{x['slow_turns']} returning turns read from below the host tier (p50 {ms(x['slow_p50'])} ms), the others"
-            f" p50 {ms(x['host_p50'])} ms."
+            f" p50 {ms(x['host_p50'])} ms. The tier below served {slow_read / GB:.1f} GB (lru: {lru_slow / GB:.1f} GB;"
+            " tier counters, prefetches included)."
         )
-        if lru is not None:
-            lru_slow = sum(
-                c.get("read_bytes", 0)
-                for rr in results
-                if rr.config == r.config and rr.mode == "lru"
-                for t, c in rr.tier_counters.items()
-                if t != "host"
-            )
-            parts.append(
-                f"The tier below served {slow_read / GB:.1f} GB in all (lru: {lru_slow / GB:.1f} GB; tier counters,"
-                " prefetches included)."
-            )
         parts.append(
             f"`paused()`: {r.paused_calls} calls; at the call {inmem:.0%} of the session's chunks were in host memory"
             f" on average; {r.paused_capped} answers had the tenant's held bytes at its share ({args.share:g} x"
@@ -745,63 +812,82 @@ def render(
                 f"{tier}: hits {counts.get('hits', 0)}, misses {counts.get('misses', 0)}, read"
                 f" {counts.get('read_bytes', 0) / GB:.1f} GB, evictions {counts.get('evictions', 0)}"
             )
-        lines.append(f"- {r.config} / {r.mode}: " + "; ".join(parts))
+        sent = (
+            f"; redis-server sent {r.redis_sent / GB:.1f} GB in all (INFO total_net_output_bytes)"
+            if r.redis_sent
+            else ""
+        )
+        lines.append(f"- {label(r)}, {r.mode}: " + "; ".join(parts) + sent)
     fails = [f for r in results for f in r.failures]
     lines += ["", f"Bit-exact failures: {len(fails)}" + (": " + "; ".join(fails[:5]) if fails else "."), "", END]
     return "\n".join(lines)
 
 
+def make_group(config: str, agents: int, args: argparse.Namespace) -> Group:
+    trace = make_trace(
+        agents, args.seed, time_scale=args.time_scale, token_scale=args.token_scale, start_window_s=args.start_window
+    )
+    ws = trace.working_set(SPEC.token_bytes, CHUNK)
+    return Group(config, agents, trace, ws, ws.peak_unique_bytes // 4)
+
+
+def median_returning_tokens(trace: Trace) -> int:
+    evs = trace.events()
+    ret = [e for e in evs if e.kind == "request" and (e.turn > 0 or trace.agent(e.agent).parent)]
+    return int(np.median([e.cached for e in ret]))
+
+
 async def main_async(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     torch.set_num_threads(args.torch_threads)
-    trace = make_trace(
-        args.agents, args.seed, time_scale=args.time_scale, token_scale=args.token_scale,
-        start_window_s=args.start_window,
-    )  # fmt: skip
-    ws = trace.working_set(SPEC.token_bytes, CHUNK)
-    host = ws.peak_unique_bytes // 4
-    st = trace.stats()
-    log(f"trace: {st}")
-    log(f"working set peak {ws.peak_unique_bytes / GB:.2f} GB (logical {ws.peak_logical_bytes / GB:.2f}, mean"
-        f" {ws.mean_unique_bytes / GB:.2f}); host tier {host / GB:.3f} GB")  # fmt: skip
-    engine = Engine(max(a.final_context for a in trace.agents), args.slots, args.seed)
+    groups = []
+    for spec in args.runs.split(","):
+        config, _, n = spec.partition(":")
+        groups.append(make_group(config, int(n) if n else args.agents, args))
+    for g in groups:
+        log(f"{g.config}, {g.agents} agents: {g.trace.stats()}")
+        log(f"  working set peak {g.ws.peak_unique_bytes / GB:.2f} GB (logical {g.ws.peak_logical_bytes / GB:.2f},"
+            f" mean {g.ws.mean_unique_bytes / GB:.2f}); host tier {g.host / GB:.3f} GB")  # fmt: skip
+    longest = max(a.final_context for g in groups for a in g.trace.agents)
+    engine = Engine(longest, args.slots, args.seed)
     root = Path(args.data_dir or tempfile.mkdtemp(prefix="bench-agents-"))
     root.mkdir(parents=True, exist_ok=True)
-    configs = args.configs.split(",")
     modes = args.modes.split(",")
     results: list[RunResult] = []
-    cals: list[Calibration] = []
     quiet = [args.quiet_budget]
-    evs = trace.events()
-    ret = [e for e in evs if e.kind == "request" and (e.turn > 0 or trace.agent(e.agent).parent)]
-    cal_tokens = int(np.median([e.context - e.new_tokens for e in ret]))
     try:
-        for n, kind in enumerate(configs):
+        for n, g in enumerate(groups):
             if not args.no_calibrate:
-                cals.append(await calibrate(kind, cal_tokens, root, engine))
-                c = cals[-1]
-                log(f"idle {kind}: {cal_tokens} tokens: slow {ms(c.slow_s)} ms, host {ms(c.host_s)} ms, resuming"
+                g.cal = c = await calibrate(g.config, median_returning_tokens(g.trace), root, engine)
+                log(f"idle {g.config}: {c.tokens} tokens: slow {ms(c.slow_s)} ms, host {ms(c.host_s)} ms, resuming"
                     f" {ms(c.resuming_s)} ms, after {ms(c.after_s)} ms")  # fmt: skip
             # alternate which mode runs first, so a drift of the machine does not favour one mode
             for mode in modes if n % 2 == 0 else modes[::-1]:
-                log(f"run {kind} / {mode} ...")
-                r = await run_one(kind, mode, trace, engine, host, root, args.gap_ms / 1e3, args.share, quiet)
+                log(f"run {g.config}, {g.agents} agents, {mode} ...")
+                r = await run_one(g.config, mode, g.trace, engine, g.host, root, args.gap_ms / 1e3, args.share, quiet)
+                r.agents = g.agents
                 x = summary(r)
-                log(f"  {kind}/{mode}: {x['n']} returning turns in {r.wall_s:.0f} s (waited {r.quiet_wait_s:.0f} s"
-                    f" for quiet): p50 {ms(x['p50'])} ms, p99 {ms(x['p99'])} ms; from {mix_text(x['mix'])}; exact"
-                    f" {x['exact']}/{x['n']}; prefetch done {x['prefetch_done']:.0%}; others' CPU"
-                    f" {r.others_cores or 0.0:.2f}")  # fmt: skip
+                log(f"  {x['n']} returning turns in {r.wall_s:.0f} s (waited {r.quiet_wait_s:.0f} s for quiet): p50"
+                    f" {ms(x['p50'])} ms, p99 {ms(x['p99'])} ms; from {mix_text(x['mix'])}; exact {x['exact']}/{x['n']};"
+                    f" prefetch done {x['prefetch_done']:.0%}; loop lag p50/p99 {ms(pct(r.loop_lag_s, 50))}/"
+                    f"{ms(pct(r.loop_lag_s, 99))} ms; CPU ours {r.own_cores:.2f}, others' {r.others_cores or 0.0:.2f};"
+                    f" redis sent {r.redis_sent / GB:.1f} GB")  # fmt: skip
                 results.append(r)
     finally:
         if not args.data_dir:
             shutil.rmtree(root, ignore_errors=True)
-    results.sort(key=lambda r: (configs.index(r.config), MODES.index(r.mode)))
+    order = [(g.config, g.agents) for g in groups]
+    results.sort(key=lambda r: (order.index((r.config, r.agents)), MODES.index(r.mode)))
     took = time.perf_counter() - started
     if args.dump:
-        dump = [{"config": r.config, "mode": r.mode, **dataclasses.asdict(t)} for r in results for t in r.turns]
+        dump = [
+            {"config": r.config, "agents": r.agents, "mode": r.mode, **dataclasses.asdict(t)}
+            for r in results
+            for t in r.turns
+        ]
         Path(args.dump).write_text("".join(json.dumps(row) + "\n" for row in dump))
     cmd = "python benchmarks/bench_agents.py" + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")
-    section = render(cmd, trace, ws, results, cals, args, took)
+    section = render(cmd, groups, results, args, took)
     print(section)
     write = not (args.quick or args.no_write)
     png = PNG if write else Path(tempfile.gettempdir()) / "bench_agents.png"
@@ -814,9 +900,10 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
-    p.add_argument("--quick", action="store_true", help="8 agents, faster time; prints only")
+    p.add_argument("--quick", action="store_true", help="8 agents, lmdb and redis, faster time; prints only")
     p.add_argument("--no-write", action="store_true", help="print only (plot to the temp dir)")
-    p.add_argument("--agents", type=int, default=32, help="root agents (sub-agents come on top)")
+    p.add_argument("--runs", default="lmdb:32,redis:16,redis:32", help="config:root agents, comma separated")
+    p.add_argument("--agents", type=int, default=32, help="root agents of a --runs entry that names none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-scale", type=float, default=0.03, help="replay seconds per trace second")
     p.add_argument("--token-scale", type=float, default=0.0625, help="token counts of the trace times this")
@@ -824,7 +911,6 @@ def main() -> None:
     p.add_argument("--gap-ms", type=float, default=50.0, help="framework time from a tool's return to the request")
     p.add_argument("--share", type=float, default=0.5, help="hint_tenant_share")
     p.add_argument("--slots", type=int, default=12, help="engine KV buffers (requests in flight at once)")
-    p.add_argument("--configs", default="lmdb,redis")
     p.add_argument("--modes", default="lru,hints,holds", help=f"of {','.join(MODES)}")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--quiet-budget", type=float, default=60.0, help="most seconds to wait for quiet, all runs")
@@ -833,7 +919,7 @@ def main() -> None:
     p.add_argument("--dump", default=None, help="write every returning turn as JSON lines here")
     args = p.parse_args()
     if args.quick:
-        args.agents, args.time_scale = min(args.agents, 8), min(args.time_scale, 0.02)
+        args.runs, args.time_scale = "lmdb:8,redis:8", min(args.time_scale, 0.02)
     asyncio.run(main_async(args))
 
 
