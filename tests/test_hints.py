@@ -3,6 +3,7 @@ working set over real LMDB (and a real Redis on loopback), real torch tensors, b
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
@@ -114,6 +115,21 @@ async def test_resuming_brings_a_session_up_from_lmdb_and_the_resume_reads_no_sl
         assert after.get("lmdb", 0) == before.get("lmdb", 0)  # the resume read memory only
         assert after["host"] - before.get("host", 0) >= 4 * CHUNK_BYTES
         assert await lmdb_read_bytes(store) == lmdb_before
+
+
+async def test_a_resume_during_its_prefetch_waits_for_it_instead_of_reading_the_slow_tier_twice(tmp_path: Path) -> None:
+    async with StateStore.open(config(tmp_path / "d"), SPEC4) as store:
+        await put(store, "agent", 1)
+        await pressure(store, 10, 4)
+        m = await store.session("agent")
+        prefetch = asyncio.create_task(store.resuming("agent"))
+        while not store.chunks.warming(m.chunk_keys[0]):
+            await asyncio.sleep(0)
+        lmdb_before = await lmdb_read_bytes(store)
+        await assert_resumes(store, "agent", 1)  # the request arrives while the prefetch runs
+        assert (await prefetch).moved_chunks == 4
+        assert await lmdb_read_bytes(store) - lmdb_before == (await prefetch).moved_bytes  # each byte read once
+        assert not store.chunks.warming(m.chunk_keys[0])
 
 
 async def test_resuming_after_a_restart_fills_an_unbounded_host_tier(tmp_path: Path) -> None:

@@ -132,6 +132,9 @@ class ChunkStore:
             batch_bytes=config.batch_bytes, promote=config.promote_on_read and not read_only, read_only=read_only,
         )  # fmt: skip
         self._deleting: dict[str, asyncio.Future[None]] = {}
+        self._warming: dict[str, asyncio.Future[None]] = {}
+        """keys a `warm` is bringing up into host memory: a read of them waits for it instead of
+        reading the same bytes from the slow tier a second time"""
         self._counts: Counter[str] = Counter()  # prefetch_timeouts, gc_removed
         self._closed = False
 
@@ -274,14 +277,27 @@ class ChunkStore:
         if name is None:
             return 0, 0
         tier = self._manager.tier(name)
-        todo = [(k, n) for k, n in zip(keys, tokens) if k and not self._index.holds(k, name)]
+        todo = [(k, n) for k, n in zip(keys, tokens) if k and not self._index.holds(k, name) and k not in self._warming]
         if not todo:
             return 0, 0
-        await self._manager.discover([k for k, _ in todo])
-        got = await self._transfer.fetch([k for k, _ in todo], [n for _, n in todo], promote=False)
-        if got:
-            await self._manager.put(tier, list(got), list(got.values()))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for key, _ in todo:
+            self._warming[key] = done
+        try:
+            await self._manager.discover([k for k, _ in todo])
+            got = await self._transfer.fetch([k for k, _ in todo], [n for _, n in todo], promote=False)
+            if got:
+                await self._manager.put(tier, list(got), list(got.values()))
+        finally:
+            for key, _ in todo:
+                if self._warming.get(key) is done:
+                    del self._warming[key]
+            done.set_result(None)
         return len(got), sum(len(v) for v in got.values())
+
+    def warming(self, key: str) -> bool:
+        """Whether a `warm` is bringing `key` up into host memory now."""
+        return key in self._warming
 
     async def resident(self, keys: Sequence[str]) -> dict[str, tuple[int, int]]:
         """Per tier, how many of `keys` it holds (as this process knows) and their stored bytes."""
@@ -348,7 +364,11 @@ class ChunkStore:
     ) -> list[bool]:  # fmt: skip
         """Restore chunk `keys[i]` into `target` at `spans[i]`; which ones arrived intact. Keys
         must be pinned. A corrupt or missing copy is dropped and the next tier tried. `usage`
-        counts the bytes read from each tier (`bytes_read:<tier>`), for the caller's accounting."""
+        counts the bytes read from each tier (`bytes_read:<tier>`), for the caller's accounting.
+        Keys a `warm` is bringing up are read once it is done (from host memory, then)."""
+        waits = {self._warming[k] for k in keys if k in self._warming}
+        if waits:
+            await asyncio.wait(waits)  # not cancelled with this read: other readers wait on it too
         return await self._transfer.read(keys, spans, target, staged=staged, usage=usage)
 
     async def fetch(self, keys: Sequence[str], tokens: Sequence[int]) -> dict[str, Value]:
