@@ -171,6 +171,12 @@ class RunResult:
     mode: str
     wall_s: float
     agents: int = 0  # root agents of the trace
+    rep: int = 0  # the how-many-th run of this config and agent count
+
+    @property
+    def gk(self) -> tuple[str, int, int]:
+        return self.config, self.agents, self.rep
+
     turns: list[Returning] = field(default_factory=list)
     snapshots: int = 0
     paused_calls: int = 0
@@ -443,7 +449,7 @@ class Calibration:
     after_s: float  # resume() right after it
 
 
-async def calibrate(kind: str, tokens: int, root: Path, engine: Engine, reps: int = 4) -> Calibration:
+async def calibrate(kind: str, tokens: int, root: Path, engine: Engine, reps: int = 6) -> Calibration:
     """Median of `reps` sessions of `tokens` tokens: each resumed from the slow tier (the host tier
     holds 3 sessions and 2 * reps + 3 were written), then again from the host tier; other
     sessions through resuming() and the resume after it."""
@@ -552,8 +558,8 @@ def mix_text(mix: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.0%}" for k, v in mix.items()) or "-"
 
 
-def label(r: RunResult) -> str:
-    return f"{r.config}, {r.agents} agents"
+def label(r: RunResult | Group) -> str:
+    return f"{r.config}, {r.agents} agents" + (f", repeat {r.rep}" if r.rep else "")
 
 
 def plot(results: list[RunResult], png: Path) -> None:
@@ -562,18 +568,19 @@ def plot(results: list[RunResult], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = list(dict.fromkeys(label(r) for r in results))
+    groups = list(dict.fromkeys(f"{r.config}, {r.agents} agents" for r in results))
     cols = len(groups) + 1
     fig, axes = plt.subplots(1, cols, figsize=(4.2 * cols, 4.4), gridspec_kw={"width_ratios": [3] * len(groups) + [4]})
     colors = {"lru": "tab:red", "hints": "tab:blue", "holds": "tab:orange", "hints+wait": "tab:green"}
     for ax, g in zip(axes, groups):
         for r in results:
-            if label(r) != g or not r.turns:
+            if f"{r.config}, {r.agents} agents" != g or not r.turns:
                 continue
             lat = np.sort([t.latency_s * 1e3 for t in r.turns])
             y = np.arange(1, len(lat) + 1) / len(lat)
             p50 = pct([t.latency_s for t in r.turns], 50) * 1e3
-            ax.plot(lat, y, color=colors.get(r.mode), label=f"{r.mode} (p50 {p50:.1f} ms)")
+            rep = " (repeat)" if r.rep else ""
+            ax.plot(lat, y, "--" if r.rep else "-", color=colors.get(r.mode), label=f"{r.mode}{rep} (p50 {p50:.1f} ms)")
         ax.set_xscale("log")
         ax.set_xlabel("resume() latency, ms (log)")
         for q in (0.5, 0.99):
@@ -583,7 +590,7 @@ def plot(results: list[RunResult], png: Path) -> None:
         ax.set_title(f"{g}: returning turns", fontsize=10)
     axes[0].set_ylabel("fraction of returning turns")
     b = axes[-1]
-    names = [f"{r.config} x{r.agents}\n{r.mode}" for r in results]
+    names = [f"{r.config} x{r.agents}{'+' * r.rep}\n{r.mode}" for r in results]
     mixes = [summary(r)["mix"] for r in results]
     tier_colors = {"host": "tab:green", "lmdb": "tab:orange", "redis": "tab:purple", "staged": "tab:grey"}
     bottom = np.zeros(len(results))
@@ -642,6 +649,12 @@ class Group:
     ws: Any
     host: int
     cal: Calibration | None = None
+    rep: int = 0
+    modes: list[str] = field(default_factory=list)
+
+    @property
+    def gk(self) -> tuple[str, int, int]:
+        return self.config, self.agents, self.rep
 
 
 def render(
@@ -650,7 +663,7 @@ def render(
     big = max(groups, key=lambda g: g.agents)
     st = big.trace.stats()
     trace = big.trace
-    s = {(r.config, r.agents, r.mode): summary(r) for r in results}
+    s = {(r.gk, r.mode): summary(r) for r in results}
     modes = list(dict.fromkeys(r.mode for r in results))
     trace_s = st.duration_s * trace.time_scale
     head = (
@@ -665,9 +678,13 @@ def render(
         f" expected_s is the actual pause times lognormal noise (sigma 0.5). Replayed at time scale"
         f" {trace.time_scale:g} ({st.duration_s:.0f} s of trace in {trace_s:.0f} s); token counts x"
         f"{trace.token_scale:g} of the trace's (system prompt {trace.system_tokens} tokens; final contexts median"
-        f" {st.final_context_median}, max {st.final_context_max}). The {min(g.agents for g in groups)}-agent trace"
-        " is the same trace's first agents (same seed), a lighter load on the same machine."
+        f" {st.final_context_median}, max {st.final_context_max})."
     )
+    if len({g.agents for g in groups}) > 1:
+        head += (
+            f" The {min(g.agents for g in groups)}-agent trace is the same trace's first agents (same seed), a lighter"
+            " load on the same machine."
+        )
     kv = (
         f"KV: {SPEC.model_id} (Qwen2.5-0.5B's shape: {SPEC.num_layers} layers x {SPEC.num_kv_heads} KV heads x"
         f" {SPEC.head_dim} dim, bf16, {SPEC.token_bytes // 1024} KiB/token), {CHUNK}-token chunks, random bytes"
@@ -697,6 +714,8 @@ def render(
         "|---|---:|---:|---|---:|",
     ]
     for g in groups:
+        if g.rep:
+            continue
         gs = g.trace.stats()
         lines.append(
             f"| {g.config} | {g.agents} (+{gs.sub_agents}) | {gs.requests} | {g.ws.peak_unique_bytes / GB:.2f} GB"
@@ -726,10 +745,12 @@ def render(
         ),
         "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
+    replay_s = {(g.config, g.agents): g.trace.stats().duration_s * g.trace.time_scale for g in groups}
     for r in results:
-        x = s[(r.config, r.agents, r.mode)]
+        x = s[(r.gk, r.mode)]
+        trace_s = replay_s[(r.config, r.agents)]
         lines.append(
-            f"| {r.config} | {r.agents} | {r.mode} | {x['n']} | {ms(x['p50'])} | {ms(x['p90'])} | {ms(x['p99'])}"
+            f"| {r.config} | {r.agents}{' (repeat)' if r.rep else ''} | {r.mode} | {x['n']} | {ms(x['p50'])} | {ms(x['p90'])} | {ms(x['p99'])}"
             f" | {ms(x['mean'])} | {mix_text(x['mix'])} of {x['read_gb']:.1f} GB | {x['host_only']:.0%}"
             f" | {x['exact']}/{x['n']} | {r.wall_s:.0f} ({trace_s:.0f}) | {ms(pct(r.loop_lag_s, 50))} /"
             f" {ms(pct(r.loop_lag_s, 99))} | {r.own_cores:.2f} / {r.others_cores or 0.0:.2f}"
@@ -739,19 +760,23 @@ def render(
     lines.append("|---|---:|---|---:|---:|---|")
     for g in groups:
         for mode in modes[1:]:
-            lo, hi = s.get((g.config, g.agents, "lru")), s.get((g.config, g.agents, mode))
+            lo, hi = s.get((g.gk, "lru")), s.get((g.gk, mode))
             if lo is None or hi is None:
                 continue
             r50, r99 = lo["p50"] / hi["p50"], lo["p99"] / hi["p99"]
             goal = ("**met**" if r50 >= 2 else "not met") if mode == "hints" else "(diagnostic)"
-            lines.append(f"| {g.config} | {g.agents} | {mode} | {r50:.2f}x | {r99:.2f}x | {goal} |")
+            lines.append(
+                f"| {g.config} | {g.agents}{' (repeat)' if g.rep else ''} | {mode} | {r50:.2f}x | {r99:.2f}x | {goal} |"
+            )
+    lines += ["", "What bounds the ratio, from this run's figures:", ""]
+    lines += bounds(groups, results, s, args)
     lines += ["", "![restore latency CDFs and source tiers](bench_agents.png)", ""]
     cals = [(g, g.cal) for g in groups if g.cal is not None]
     if cals:
         lines += [
             (
                 "The same operations on an idle store of each config, in the same run (one session of the replay's"
-                " median returning-turn size; median of 4):"
+                " median returning-turn size; median of 6):"
             ),
             "",
             (
@@ -772,18 +797,18 @@ def render(
     for r in results:
         if r.mode == "lru":
             continue
-        x = s[(r.config, r.agents, r.mode)]
+        x = s[(r.gk, r.mode)]
         host = r.host_capacity
         inmem = float(np.mean(r.paused_in_memory)) if r.paused_in_memory else float("nan")
         slow_read = sum(c.get("read_bytes", 0) for t, c in r.tier_counters.items() if t != "host")
         lru_slow = sum(
             c.get("read_bytes", 0)
             for rr in results
-            if (rr.config, rr.agents, rr.mode) == (r.config, r.agents, "lru")
+            if (rr.gk, rr.mode) == (r.gk, "lru")
             for t, c in rr.tier_counters.items()
             if t != "host"
         )
-        parts = [f"- {r.config}, {r.agents} agents, {r.mode}:"]
+        parts = [f"- {label(r)}, {r.mode}:"]
         if x["prefetches"]:
             parts.append(
                 f"{x['prefetches']} `resuming()` prefetches ran {x['prefetch_sum']:.0f} s in all (p50"
@@ -823,6 +848,77 @@ def render(
     return "\n".join(lines)
 
 
+def bounds(
+    groups: list[Group], results: list[RunResult], s: dict[tuple[tuple[str, int, int], str], dict[str, Any]],
+    args: argparse.Namespace,
+) -> list[str]:  # fmt: skip
+    """The reasons the ratio is what it is, each with its numbers from this run."""
+    out = []
+    run = {(r.gk, r.mode): r for r in results}
+
+    def slow_gb(r: RunResult) -> float:
+        return sum(c.get("read_bytes", 0) for t, c in r.tier_counters.items() if t != "host") / GB
+
+    for g in groups:
+        lru, hints = run.get((g.gk, "lru")), run.get((g.gk, "hints"))
+        if lru is None or hints is None:
+            continue
+        lo, hi = s[(g.gk, "lru")], s[(g.gk, "hints")]
+        c = g.cal
+        idle = (
+            f" (idle store: {ms(c.slow_s)} ms from {g.config}, {ms(c.host_s)} ms from host, {c.slow_s / c.host_s:.1f}x;"
+            f" `resuming()` of the same session {ms(c.resuming_s)} ms)"
+            if c is not None
+            else ""
+        )
+        text = f"- {label(g)}: hints {lo['p50'] / hi['p50']:.2f}x at p50{idle}."
+        if g.config == "lmdb":
+            text += (
+                f" LMDB's reads here are page-cache reads ({lru.device_read / MB:.0f} MB read from the disk in the"
+                " lru run: this VM's RAM holds every value LMDB wrote), so a turn served from host instead of LMDB"
+                " gains little, and the prefetch's copies into host memory only add work."
+            )
+        if hi["prefetches"]:
+            text += (
+                f" {hi['prefetch_done']:.0%} of the prefetches had finished {args.gap_ms:g} ms later, when the request"
+                f" came (p50 {ms(hi['prefetch_p50'])} ms); {hi['racing']} requests found theirs running and"
+                f" {hi['racing_slow']} of them read the same chunks from {g.config} beside it (p50"
+                f" {ms(hi['racing_p50'])} ms, against {ms(lo['slow_p50'])} ms for a turn reading from {g.config} in"
+                f" lru): {g.config} served {slow_gb(hints):.1f} GB with hints, {slow_gb(lru):.1f} GB in lru."
+            )
+        text += (
+            f" Turns read wholly from host: lru {lo['host_only']:.0%}, hints {hi['host_only']:.0%}; p50 of those"
+            f" {ms(hi['host_p50'])} ms, of the others {ms(hi['slow_p50'])} ms."
+        )
+        out.append(text)
+    held = [r for r in results if r.mode in ("hints", "holds") and r.paused_calls]
+    holds = [r for r in results if r.mode == "holds" and (r.gk, "lru") in s]
+    if held and holds:
+        capped = sum(r.paused_capped for r in held)
+        calls = sum(r.paused_calls for r in held)
+        moved = ", ".join(
+            f"{label(r)} {s[(r.gk, 'lru')]['host_only']:.0%} -> {s[(r.gk, r.mode)]['host_only']:.0%}" for r in holds
+        )
+        out.append(
+            f"- Holds: one tenant's holds count for at most hint_tenant_share ({args.share:g}) of the host tier, which"
+            f" is 1/4 of the working set: {args.share / 4:.3f} of the working set, a few of the sessions paused at"
+            f" once; {capped} of {calls} `paused()` answers found the share full. Turns read wholly from host, lru"
+            f" -> holds alone: {moved}."
+        )
+    sent = [r for r in results if r.mode == "lru" and r.redis_sent]
+    if sent:
+        out.append(
+            "- Promotion reads Redis twice: in lru, redis-server sent "
+            + ", ".join(f"{r.redis_sent / GB:.1f} GB ({label(r)})" for r in sent)
+            + " for "
+            + ", ".join(f"{slow_gb(r):.1f} GB" for r in sent)
+            + " of counted Redis reads: a chunk a resume read from Redis is read from Redis again to be put into"
+            " the host tier (the promotion re-reads the chunks it has just read, cheap from a page cache, a second"
+            " network transfer from a remote tier)."
+        )
+    return out
+
+
 def make_group(config: str, agents: int, args: argparse.Namespace) -> Group:
     trace = make_trace(
         agents, args.seed, time_scale=args.time_scale, token_scale=args.token_scale, start_window_s=args.start_window
@@ -840,11 +936,21 @@ def median_returning_tokens(trace: Trace) -> int:
 async def main_async(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     torch.set_num_threads(args.torch_threads)
-    groups = []
+    groups: list[Group] = []
     for spec in args.runs.split(","):
-        config, _, n = spec.partition(":")
-        groups.append(make_group(config, int(n) if n else args.agents, args))
+        config, n, modes = ([*spec.split(":"), "", ""])[:3]
+        agents = int(n) if n else args.agents
+        same = [g for g in groups if (g.config, g.agents) == (config, agents)]
+        g = (
+            Group(config, agents, same[0].trace, same[0].ws, same[0].host, rep=len(same))
+            if same
+            else make_group(config, agents, args)
+        )
+        g.modes = modes.split("+") if modes else args.modes.split(",")
+        groups.append(g)
     for g in groups:
+        if g.rep:
+            continue
         log(f"{g.config}, {g.agents} agents: {g.trace.stats()}")
         log(f"  working set peak {g.ws.peak_unique_bytes / GB:.2f} GB (logical {g.ws.peak_logical_bytes / GB:.2f},"
             f" mean {g.ws.mean_unique_bytes / GB:.2f}); host tier {g.host / GB:.3f} GB")  # fmt: skip
@@ -852,20 +958,20 @@ async def main_async(args: argparse.Namespace) -> None:
     engine = Engine(longest, args.slots, args.seed)
     root = Path(args.data_dir or tempfile.mkdtemp(prefix="bench-agents-"))
     root.mkdir(parents=True, exist_ok=True)
-    modes = args.modes.split(",")
     results: list[RunResult] = []
     quiet = [args.quiet_budget]
     try:
-        for n, g in enumerate(groups):
-            if not args.no_calibrate:
+        for g in groups:
+            if not args.no_calibrate and not g.rep:
                 g.cal = c = await calibrate(g.config, median_returning_tokens(g.trace), root, engine)
                 log(f"idle {g.config}: {c.tokens} tokens: slow {ms(c.slow_s)} ms, host {ms(c.host_s)} ms, resuming"
                     f" {ms(c.resuming_s)} ms, after {ms(c.after_s)} ms")  # fmt: skip
             # alternate which mode runs first, so a drift of the machine does not favour one mode
-            for mode in modes if n % 2 == 0 else modes[::-1]:
-                log(f"run {g.config}, {g.agents} agents, {mode} ...")
+            pair = list(dict.fromkeys((h.config, h.agents) for h in groups)).index((g.config, g.agents))
+            for mode in g.modes if (pair + g.rep) % 2 == 0 else g.modes[::-1]:
+                log(f"run {label(g)}, {mode} ...")
                 r = await run_one(g.config, mode, g.trace, engine, g.host, root, args.gap_ms / 1e3, args.share, quiet)
-                r.agents = g.agents
+                r.agents, r.rep = g.agents, g.rep
                 x = summary(r)
                 log(f"  {x['n']} returning turns in {r.wall_s:.0f} s (waited {r.quiet_wait_s:.0f} s for quiet): p50"
                     f" {ms(x['p50'])} ms, p99 {ms(x['p99'])} ms; from {mix_text(x['mix'])}; exact {x['exact']}/{x['n']};"
@@ -876,12 +982,12 @@ async def main_async(args: argparse.Namespace) -> None:
     finally:
         if not args.data_dir:
             shutil.rmtree(root, ignore_errors=True)
-    order = [(g.config, g.agents) for g in groups]
-    results.sort(key=lambda r: (order.index((r.config, r.agents)), MODES.index(r.mode)))
+    order = [g.gk for g in groups]
+    results.sort(key=lambda r: (order.index(r.gk), MODES.index(r.mode)))
     took = time.perf_counter() - started
     if args.dump:
         dump = [
-            {"config": r.config, "agents": r.agents, "mode": r.mode, **dataclasses.asdict(t)}
+            {"config": r.config, "agents": r.agents, "rep": r.rep, "mode": r.mode, **dataclasses.asdict(t)}
             for r in results
             for t in r.turns
         ]
@@ -902,7 +1008,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     p.add_argument("--quick", action="store_true", help="8 agents, lmdb and redis, faster time; prints only")
     p.add_argument("--no-write", action="store_true", help="print only (plot to the temp dir)")
-    p.add_argument("--runs", default="lmdb:32,redis:16,redis:32", help="config:root agents, comma separated")
+    p.add_argument(
+        "--runs", default="lmdb:32:lru+hints,redis:16:lru+hints,redis:32,redis:16:lru+hints",
+        help="config:root agents[:modes joined by +], comma separated; a pair named twice runs again (a repeat)",
+    )  # fmt: skip
     p.add_argument("--agents", type=int, default=32, help="root agents of a --runs entry that names none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-scale", type=float, default=0.03, help="replay seconds per trace second")
