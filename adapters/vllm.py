@@ -318,6 +318,7 @@ class _Tracked:
 STAT_KEYS = (
     "hit_tokens", "loaded_tokens", "stored_tokens", "load_error_blocks", "sessions_saved", "saves_dropped",
     "saves_revoked", "errors", "hints", "hint_moved_bytes", "hint_errors", "hints_invalid", "hints_skipped",
+    "loads", "load_ms", "load_wait_ms", "load_read_ms", "hint_ms",
 )  # fmt: skip
 BYTES_READ = "bytes_read:"  # + a tier's name: stored bytes loads read from that tier
 
@@ -366,6 +367,11 @@ class AgentStatePromMetrics(KVConnectorPromMetrics):
             "hint_errors": "agent hints the store could not apply (the request is unaffected)",
             "hints_invalid": "requests whose hint params were malformed (ignored, the request served without)",
             "hints_skipped": "resuming hints not needed: vLLM's own prefix cache held all that is stored",
+            "loads": "loads finished (their requests waited for them)",
+            "load_ms": "milliseconds loads took, from their start to vLLM hearing they finished (summed)",
+            "load_wait_ms": "of loads, milliseconds waiting for their request's resuming hint (summed)",
+            "load_read_ms": "of loads, milliseconds reading into the blocks (summed)",
+            "hint_ms": "milliseconds agent hints took on the store's loop, writes waited for included (summed)",
         }
         self.counters = {}
         for key, doc in helps.items():
@@ -847,18 +853,20 @@ class AgentStateConnector(KVConnectorBase_V1):
         hint of the request still bringing them up into host memory is waited for first (at most
         half of timeout_s): the read then finds them there instead of reading the slow tier twice."""
         store = self._ready()
+        t0 = time.perf_counter()
         warming = self._warming.pop(job.req_id, None)
         if warming is not None and not warming.done():
             await asyncio.wait({warming}, timeout=self.settings.timeout_s / 2)
         if not job.keys:
             return set()
         usage: Counter[str] = Counter()
+        t1 = time.perf_counter()
         with store.chunks.pinned(job.keys):
             await store.chunks.discover(job.keys)
             await store.chunks.read(job.keys, job.spans, target, usage=usage)
         done = set(target.done)
         read = {k: v for k, v in usage.items() if k.startswith(BYTES_READ) and v}
-        self._count(**read)
+        self._count(**read, load_wait_ms=round(1000 * (t1 - t0)), load_read_ms=round(1000 * (time.perf_counter() - t1)))
         view = store.for_tenant(job.tenant) if job.tenant else store
         view.usage_log.add(view.tenant, None, {"loads": 1, "tokens_read": self._landed(job, done) - job.first, **read})
         return done
@@ -874,13 +882,14 @@ class AgentStateConnector(KVConnectorBase_V1):
         return min(max(good, job.first), job.end)
 
     def _finish_load(self, req_id: str, timed_out: bool) -> None:
-        future, target, job, _ = self._loading.pop(req_id)
+        future, target, job, started = self._loading.pop(req_id)
         if timed_out:
             future.cancel()
         written = target.close()
         if not timed_out and future.done() and future.exception() is not None:
             self._failed("load", future.exception())  # type: ignore[arg-type]
         good = self._landed(job, written)
+        self._count(loads=1, load_ms=round(1000 * (time.monotonic() - started)))
         if good < job.end:
             bad = {
                 job.block_ids[t // self.block_size]
@@ -1040,6 +1049,7 @@ class AgentStateConnector(KVConnectorBase_V1):
     async def _hint(
         self, job: HintJob, after: list[concurrent.futures.Future[None]], wait_s: float | None = None
     ) -> None:
+        t0 = time.perf_counter()
         try:
             if after:  # never cancels them (asyncio.wait): they are the request's own writes
                 await asyncio.wait([asyncio.wrap_future(f) for f in after], timeout=wait_s or self.settings.timeout_s)
@@ -1056,6 +1066,8 @@ class AgentStateConnector(KVConnectorBase_V1):
                       result.chunks, result.in_memory, result.moved_bytes)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - a hint is advice: the request is unaffected
             self._hint_failed(job, exc)
+        finally:
+            self._count(hint_ms=round(1000 * (time.perf_counter() - t0)))
 
     async def _warm_past(self, view: StateStore, job: HintJob) -> None:
         """Resuming, when vLLM's own prefix cache holds the prompt's first `job.local` tokens: bring up

@@ -251,6 +251,9 @@ def summarize(outs: list[dict[str, Any]]) -> dict[str, Any]:
         "lmdb_mb": lmdb / 1e6, "host_share": host / (host + lmdb) if host + lmdb else float("nan"),
         "external": external, "local": local, "hints": m.get("vllm:agentstate_hints", 0),
         "skipped": m.get("vllm:agentstate_hints_skipped", 0),
+        "loads": m.get("vllm:agentstate_loads", 0), "load_ms": m.get("vllm:agentstate_load_ms", 0),
+        "load_wait_ms": m.get("vllm:agentstate_load_wait_ms", 0), "load_read_ms": m.get("vllm:agentstate_load_read_ms", 0),
+        "hint_ms": m.get("vllm:agentstate_hint_ms", 0),
         "moved_mb": m.get("vllm:agentstate_hint_moved_bytes", 0) / 1e6,
         "hint_errors": m.get("vllm:agentstate_hint_errors", 0), "errors": m.get("vllm:agentstate_errors", 0),
         "load_errors": m.get("vllm:agentstate_load_error_blocks", 0),
@@ -289,8 +292,13 @@ def section(trace_kw: dict[str, Any], stats: Any, ws: Any, host_bytes: int, pool
             lambda r: f"{r['local']:.0f} / {r['external']:.0f}"),
         row("connector loads read from host memory / LMDB",
             lambda r: f"{r['host_mb']:.1f} / {r['lmdb_mb']:.1f} MB ({100 * r['host_share']:.0f}% host)"),
+        row("connector loads; per load: start to finished / reading into the blocks / waiting for resuming",
+            lambda r: f"{r['loads']:.0f}; {r['load_ms'] / max(1, r['loads']):.1f} / {r['load_read_ms'] / max(1, r['loads']):.1f}"
+                      f" / {r['load_wait_ms'] / max(1, r['loads']):.1f} ms"),
         row("hints applied (resuming skipped: vLLM held it all); resuming brought up",
             lambda r: f"{r['hints']:.0f} ({r['skipped']:.0f}); {r['moved_mb']:.1f} MB" if r["hints"] else "-"),
+        row("store-loop time per hint (its request's writes waited for included)",
+            lambda r: f"{r['hint_ms'] / max(1, r['hints'] + r['skipped']):.1f} ms" if r["hints"] else "-"),
         row("preemptions; load errors; hint errors",
             lambda r: f"{r['preemptions']:.0f}; {r['load_errors']:.0f}; {r['hint_errors']:.0f}"),
         row("replay wall time (mean of runs)", lambda r: f"{r['wall']:.0f} s"),
@@ -319,6 +327,9 @@ def section(trace_kw: dict[str, Any], stats: Any, ws: Any, host_bytes: int, pool
     )  # fmt: skip
     spread = max((max(r["run_p50"]) / min(r["run_p50"]) - 1) * 100 for r in res.values())
     best = min(modes, key=lambda m: res[m]["p50"])
+    def per_load(m: str) -> float:
+        return res[m]["load_read_ms"] / max(1, res[m]["loads"])
+
     reading = [
         "Against lru (a ratio above 1 is faster):",
         *(f"- {vs(m)}." for m in modes if m != "lru"),
@@ -328,12 +339,24 @@ def section(trace_kw: dict[str, Any], stats: Any, ws: Any, host_bytes: int, pool
             f" {LABELS[best]}."
         ),
         (
-            "- TTFT holds the request's queueing behind the others (alike in every mode), the load of its prefix"
-            " (vLLM's pool: nothing; host memory: check, decode, copy; LMDB: the same after a read of the value"
-            " log) or its recompute, and the prefill of its new tokens; `resuming` reads LMDB too when the session"
-            " went down, only earlier (when the request arrives), and the load waits for it: it gains only the time"
-            " the request waits before it is scheduled. LMDB reads come from the page cache here: on a real disk the"
-            " gap between host memory and LMDB, and what a hit in host memory saves, is wider."
+            f"- A load read into the blocks in {per_load('lru'):.1f} ms under lru ({100 * lru['host_share']:.0f}% of"
+            f" its bytes from host memory) and {per_load('hints'):.1f} ms with resuming"
+            f" ({100 * res['hints']['host_share']:.0f}%). "
+            + (
+                "Where the KV came from moved with the hints, what a load cost did not: LMDB's value log is read"
+                " through the page cache here (written moments before, nothing drops it), the same check, decode"
+                " and copy as from host memory, while the hints' own work (bringing chunks up, holds, their"
+                " accounting) runs on the same 2 cores as the engine. What hints buy needs a slow tier below: a"
+                " disk that is really read, or a remote one."
+                if per_load("hints") > 0.8 * per_load("lru")
+                else "Host memory made a load that much cheaper."
+            )
+        ),
+        (
+            "- TTFT holds the request's queueing behind the others (alike in every mode), the load of its prefix or"
+            " its recompute, and the prefill of its new tokens; `resuming` reads LMDB too when the session went"
+            " down, only earlier (when the request arrives), and the load waits for it: it gains at most the time"
+            " the request waits before it is scheduled."
         ),
     ]  # fmt: skip
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
