@@ -29,7 +29,12 @@ framework's own time between a tool result and the next request).
   `done()` when an agent finishes.
 - `holds` (diagnostic): `paused()` and `done()` only, no prefetch.
 - `hints+wait` (diagnostic, not run by default): as `hints`, but a request whose prefetch is still
-  running waits for it, the wait counted in its latency (what resume() joining the prefetch gives).
+  running waits for it before calling resume(), the wait counted in its latency (since commit
+  381ca7a the library's own read of chunks a prefetch is bringing up waits for it too).
+
+Default runs (`--runs`): LMDB at 32 root agents (lru, hints), Redis at 32 (lru, hints, holds),
+Redis at 16 (the same trace's first 16 agents: a lighter load), and Redis at 32 again (a repeat,
+modes in the other order), about 9-10 minutes on a 2-core VM.
 
 For every returning turn: the latency of `resume()` (the request's critical path), the stored
 bytes it read per tier (the session's usage `bytes_read` delta), and a bit-exact check (every
@@ -607,6 +612,21 @@ def plot(results: list[RunResult], png: Path) -> None:
     plt.close(fig)
 
 
+def library_commit() -> str:
+    """HEAD, and whether the library's files differ from it (the code a run imports at its start)."""
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "agentstate", "backends"], capture_output=True, text=True,
+        check=False,
+    ).stdout.strip()  # fmt: skip
+    return head + (" with uncommitted library changes" if dirty else "")
+
+
+COMMIT = library_commit()
+
+
 def machine() -> str:
     cpu = "?"
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -619,13 +639,10 @@ def machine() -> str:
         redis_v = out.split()[2].removeprefix("v=")
     except (OSError, IndexError):
         redis_v = "?"
-    commit = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
     return (
         f"`nproc` = {os.cpu_count()}, {cpu}, {mem:.1f} GiB RAM, kernel {platform.release()}; torch {torch.__version__}"
         f" ({torch.get_num_threads()} intra-op thread), Python {platform.python_version()}, redis-server {redis_v}"
-        f" on loopback; agentstate at commit {commit}"
+        f" on loopback; agentstate at commit {COMMIT} (when the run started)"
     )
 
 
@@ -634,8 +651,8 @@ MODE_TEXT = {
     "hints": "`paused(expected_s)` at each tool call, `resuming()` (not awaited) when the tool returns, the request"
     " the gap later, `done()` at the end",
     "holds": "`paused()` and `done()` only: holds without the prefetch (a diagnostic)",
-    "hints+wait": "as `hints`, but a request whose prefetch is still running waits for it (counted in its latency):"
-    " what resume() joining the prefetch would give (a diagnostic)",
+    "hints+wait": "as `hints`, but a request whose prefetch is still running waits for it here, before resume() (counted"
+    " in its latency; since 381ca7a the library's own read waits for the prefetch's chunks too)",
 }
 
 
@@ -814,9 +831,9 @@ def render(
                 f"{x['prefetches']} `resuming()` prefetches ran {x['prefetch_sum']:.0f} s in all (p50"
                 f" {ms(x['prefetch_p50'])} ms, p99 {ms(x['prefetch_p99'])} ms) and moved {x['prefetch_moved_gb']:.1f} GB"
                 f" up; {x['prefetch_done']:.0%} had finished when the request came; the {x['racing']} requests that"
-                f" found theirs still running took p50 {ms(x['racing_p50'])} ms ({x['racing_slow']} of them read"
-                f" from below the host tier, the same chunks the prefetch was reading), those that found it done"
-                f" {ms(x['done_p50'])} ms."
+                f" found theirs still running took p50 {ms(x['racing_p50'])} ms (a read of chunks a prefetch is"
+                f" bringing up waits for it; {x['racing_slow']} of them still read some chunks from below the host"
+                f" tier), those that found it done {ms(x['done_p50'])} ms."
             )
         parts.append(
             f"{x['slow_turns']} returning turns read from below the host tier (p50 {ms(x['slow_p50'])} ms), the others"
@@ -864,7 +881,7 @@ def bounds(
         if lru is None or hints is None:
             continue
         lo, hi = s[(g.gk, "lru")], s[(g.gk, "hints")]
-        c = g.cal
+        c = g.cal or next((h.cal for h in groups if (h.config, h.agents) == (g.config, g.agents) and h.cal), None)
         idle = (
             f" (idle store: {ms(c.slow_s)} ms from {g.config}, {ms(c.host_s)} ms from host, {c.slow_s / c.host_s:.1f}x;"
             f" `resuming()` of the same session {ms(c.resuming_s)} ms)"
@@ -881,16 +898,28 @@ def bounds(
         if hi["prefetches"]:
             text += (
                 f" {hi['prefetch_done']:.0%} of the prefetches had finished {args.gap_ms:g} ms later, when the request"
-                f" came (p50 {ms(hi['prefetch_p50'])} ms); {hi['racing']} requests found theirs running and"
-                f" {hi['racing_slow']} of them read the same chunks from {g.config} beside it (p50"
-                f" {ms(hi['racing_p50'])} ms, against {ms(lo['slow_p50'])} ms for a turn reading from {g.config} in"
-                f" lru): {g.config} served {slow_gb(hints):.1f} GB with hints, {slow_gb(lru):.1f} GB in lru."
+                f" came (p50 {ms(hi['prefetch_p50'])} ms, idle {ms(c.resuming_s) if c else '?'} ms);"
+                f" {hi['racing']} requests found theirs running and waited for it, {hi['racing_slow']} of them still"
+                f" reading some chunks from {g.config} (p50 {ms(hi['racing_p50'])} ms, against"
+                f" {ms(lo['slow_p50'])} ms for a turn reading from {g.config} in lru); {g.config} served"
+                f" {slow_gb(hints):.1f} GB with hints (prefetches included), {slow_gb(lru):.1f} GB in lru."
             )
         text += (
             f" Turns read wholly from host: lru {lo['host_only']:.0%}, hints {hi['host_only']:.0%}; p50 of those"
             f" {ms(hi['host_p50'])} ms, of the others {ms(hi['slow_p50'])} ms."
         )
         out.append(text)
+    for g in groups:
+        if not g.rep:
+            continue
+        first = next(h for h in groups if (h.config, h.agents, h.rep) == (g.config, g.agents, 0))
+        pairs = [(first.gk, g.gk, m) for m in ("lru", "hints") if (first.gk, m) in s and (g.gk, m) in s]
+        if pairs:
+            out.append(
+                f"- Run to run ({g.config}, {g.agents} agents, run and repeat): "
+                + "; ".join(f"{m} p50 {ms(s[(a, m)]['p50'])} vs {ms(s[(b, m)]['p50'])} ms" for a, b, m in pairs)
+                + ": single runs on this shared 2-core VM move this much (see the CPU column for what else ran)."
+            )
     held = [r for r in results if r.mode in ("hints", "holds") and r.paused_calls]
     holds = [r for r in results if r.mode == "holds" and (r.gk, "lru") in s]
     if held and holds:
@@ -1009,7 +1038,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="8 agents, lmdb and redis, faster time; prints only")
     p.add_argument("--no-write", action="store_true", help="print only (plot to the temp dir)")
     p.add_argument(
-        "--runs", default="lmdb:32:lru+hints,redis:16:lru+hints,redis:32,redis:16:lru+hints",
+        "--runs", default="lmdb:32:lru+hints,redis:32,redis:16:lru+hints,redis:32:lru+hints",
         help="config:root agents[:modes joined by +], comma separated; a pair named twice runs again (a repeat)",
     )  # fmt: skip
     p.add_argument("--agents", type=int, default=32, help="root agents of a --runs entry that names none")
