@@ -263,6 +263,7 @@ def summarize(outs: list[dict[str, Any]]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+LOAD_AVG: list[float] = []  # the machine's 1-minute load average before and after the run
 LABELS = {"lru": "lru (no hints)", "paused": "paused/done only", "hints": "resuming + paused/done"}
 
 
@@ -339,18 +340,17 @@ def section(trace_kw: dict[str, Any], stats: Any, ws: Any, host_bytes: int, pool
             f" {LABELS[best]}."
         ),
         (
-            f"- A load read into the blocks in {per_load('lru'):.1f} ms under lru ({100 * lru['host_share']:.0f}% of"
-            f" its bytes from host memory) and {per_load('hints'):.1f} ms with resuming"
-            f" ({100 * res['hints']['host_share']:.0f}%). "
-            + (
-                "Where the KV came from moved with the hints, what a load cost did not: LMDB's value log is read"
-                " through the page cache here (written moments before, nothing drops it), the same check, decode"
-                " and copy as from host memory, while the hints' own work (bringing chunks up, holds, their"
-                " accounting) runs on the same 2 cores as the engine. What hints buy needs a slow tier below: a"
-                " disk that is really read, or a remote one."
-                if per_load("hints") > 0.8 * per_load("lru")
-                else "Host memory made a load that much cheaper."
-            )
+            f"- The connector loaded for {lru['loads']:.0f} of {lru['turns']} returning turns under lru (the rest hit"
+            f" vLLM's own pool for all that was stored, or found nothing). A load read into the blocks in"
+            f" {per_load('lru'):.1f} ms under lru ({100 * lru['host_share']:.0f}% of its bytes from host memory),"
+            f" {per_load('hints'):.1f} ms with resuming ({100 * res['hints']['host_share']:.0f}%), which first waited"
+            f" {res['hints']['load_wait_ms'] / max(1, res['hints']['loads']):.1f} ms for its hint; start to finished"
+            f" {lru['load_ms'] / max(1, lru['loads']):.1f} vs {res['hints']['load_ms'] / max(1, res['hints']['loads']):.1f}"
+            " ms. LMDB's value log is read through the page cache here (written moments before, nothing drops it):"
+            " the same check, decode and copy as from host memory after a page-cache read, so host memory saves"
+            " a few milliseconds a load, against TTFTs of tens to hundreds; the hints' own work runs on the same"
+            " 2 cores as the engine. What they buy grows with a slow tier below: a disk that is really read, or a"
+            " remote one."
         ),
         (
             "- TTFT holds the request's queueing behind the others (alike in every mode), the load of its prefix or"
@@ -360,12 +360,14 @@ def section(trace_kw: dict[str, Any], stats: Any, ws: Any, host_bytes: int, pool
         ),
     ]  # fmt: skip
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load = ", ".join(f"{x:.1f}" for x in LOAD_AVG)
     return "\n".join([
         BEGIN, "## Agents through vLLM: TTFT with hints vs LRU (benchmarks/bench_agents_vllm.py)", "", intro, "",
         *rows, "", *reading, "",
         (
             f"Command: `.venv-vllm/bin/python benchmarks/bench_agents_vllm.py` at {commit}, {now},"
-            f" {platform.machine()}; {elapsed / 60:.1f} min in all."
+            f" {platform.machine()}; {elapsed / 60:.1f} min in all; load average before and after the run: {load}"
+            " (other processes of this shared machine included)."
         ), END,
     ])  # fmt: skip
 
@@ -385,6 +387,7 @@ def main() -> None:
     from vllm_engine import make_model
 
     started = time.perf_counter()
+    LOAD_AVG.append(os.getloadavg()[0])
     kw = trace_args(args.agents or (12 if args.quick else 16), args.quick)
     trace = make_trace(**kw)
     stats, ws = trace.stats(), trace.working_set(TOKEN_BYTES, CHUNK)
@@ -405,6 +408,7 @@ def main() -> None:
                 outs[mode].append(run_mode(tmp, mode, run, base, host_bytes))
                 print(mode, run, json.dumps(summarize(outs[mode][-1:])), flush=True)
         res = {m: summarize(o) for m, o in outs.items()}
+    LOAD_AVG.append(os.getloadavg()[0])
     text = section(kw, stats, ws, host_bytes, pool_blocks, res, time.perf_counter() - started)
     print(text)
     if not (args.quick or args.no_write):
