@@ -358,7 +358,10 @@ class SessionOps(StoreBase):
                 back_in = parsed.expected_s
             else:
                 hold_s, back_in = self.config.hint_resuming_hold_s, 0.0
-            self.chunks.hold(name, self.tenant, keys, for_s=hold_s, back_in_s=back_in, kind=parsed.hint)
+            # a resuming session is the one certainly back next: it ranks before every paused one
+            # (a paused session whose tool overran is "due" too, but may not come at all)
+            rank_in = -math.inf if parsed.hint == "resuming" else back_in
+            self.chunks.hold(name, self.tenant, keys, for_s=hold_s, back_in_s=rank_in, kind=parsed.hint)
             held_until, expected_back = stamp + hold_s, stamp + back_in
             if parsed.hint == "resuming":
                 with self.chunks.pinned(keys):

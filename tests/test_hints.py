@@ -84,6 +84,22 @@ async def test_paused_sessions_are_evicted_latest_return_first(tmp_path: Path) -
         assert await in_host(store, "later2") == 0
 
 
+async def test_a_resuming_session_outranks_paused_ones_that_overran_within_the_share(tmp_path: Path) -> None:
+    slow_reload = config(tmp_path / "d", hint_tenant_share=0.5, hint_reload_bytes_per_s=1000)  # holds of minutes
+    async with StateStore.open(slow_reload, SPEC4) as store:
+        for i in range(3):
+            await put(store, f"p{i}", i)
+            await store.paused(f"p{i}", 0.001)  # tools that overran: expected back already
+        await put(store, "back", 9)
+        await pressure(store, 10, 4)  # pushes "back" down to LMDB
+        assert (await store.resuming("back")).in_memory == 4
+        await pressure(store, 20, 2)  # more pressure before the request: the resuming hold counts first
+        assert await in_host(store, "back") == 4
+        lmdb_before = await lmdb_read_bytes(store)
+        await assert_resumes(store, "back", 9)
+        assert await lmdb_read_bytes(store) == lmdb_before
+
+
 async def test_done_releases_a_session_first(tmp_path: Path) -> None:
     async with StateStore.open(config(tmp_path / "d"), SPEC4) as store:
         await put(store, "a", 1)
