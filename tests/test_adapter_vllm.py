@@ -491,7 +491,7 @@ def hinted(tmp: Path, model: str) -> dict[str, Any]:
     """One engine on a host tier of 8 chunks over LMDB. Round 0 stores A (paused for 60 s), then B
     and C (no hint, more recent than A: plain LRU evicts A before them), and a named session S
     (another tenant) paused; round 1 is pressure (12 new chunks); then A returns (done), B returns,
-    C returns with resuming (and done for its end); last, five requests with malformed hints, one round each."""
+    C returns with resuming (and done for its end); last, requests with malformed hints, one round each."""
     session = {"agentstate": {"session_id": "agent-h", "state": {}, "hint": "paused", "expected_s": 60}}
     rounds = [
         [req(P1[:600], params=hint("a", "paused", expected_s=60)), req(P3[:600]), req(P2[:600]),
