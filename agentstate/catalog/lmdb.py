@@ -151,24 +151,22 @@ class LMDBCatalog(Catalog):
         self, deltas: Mapping[tuple[str, str], Mapping[str, int]], hits: Mapping[tuple[str, str], float]
     ) -> None:
         def run(txn: lmdb.Transaction) -> None:
-            for (tenant, session_id), counts in deltas.items():
+            for tenant, session_id in dict.fromkeys([*deltas, *hits]):  # one read and one put per record
                 key = self._skey(tenant, session_id)
                 if session_id and txn.get(key, db=self._sessions) is None:
                     continue  # removed meanwhile: only its tenant's totals keep its counts
                 record = self._record(txn, key)
-                counters = record.get("counters")
-                counters = dict(counters) if isinstance(counters, dict) else {}
-                for what, n in counts.items():
-                    counters[what] = int(counters.get(what, 0)) + int(n)
-                record["counters"] = counters
-                txn.put(key, json.dumps(record).encode(), db=self._usage)
-            for (tenant, session_id), at in hits.items():
-                key = self._skey(tenant, session_id)
-                if txn.get(key, db=self._sessions) is None:
-                    continue
-                record = self._record(txn, key)
-                old = record.get("hit")
-                record["hit"] = max(float(at), float(old) if isinstance(old, int | float) else 0.0)
+                counts = deltas.get((tenant, session_id))
+                if counts:
+                    counters = record.get("counters")
+                    counters = dict(counters) if isinstance(counters, dict) else {}
+                    for what, n in counts.items():
+                        counters[what] = int(counters.get(what, 0)) + int(n)
+                    record["counters"] = counters
+                at = hits.get((tenant, session_id))
+                if at is not None:
+                    old = record.get("hit")
+                    record["hit"] = max(float(at), float(old) if isinstance(old, int | float) else 0.0)
                 txn.put(key, json.dumps(record).encode(), db=self._usage)
 
         if deltas or hits:

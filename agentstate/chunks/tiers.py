@@ -249,7 +249,8 @@ class TierManager:
         """The keys of a cache tier in the order eviction takes them (unheld LRU, then held)."""
         plan = self.holds.plan(tier.lru, tier.capacity)
         unheld = [k for k in tier.lru if k not in plan]
-        return unheld + sorted(plan, key=lambda k: -plan[k])
+        held = [k for k in tier.lru if k in plan]  # ties in LRU order, as `victim` breaks them
+        return unheld + sorted(held, key=lambda k: -plan[k])
 
     def release(self, keys: Sequence[str]) -> None:
         """Put `keys` first in line for eviction in every cache tier (a session that is done)."""
