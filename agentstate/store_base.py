@@ -5,7 +5,6 @@ sessions, prefixes and the references that keep chunks alive.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import copy
 import logging
@@ -19,6 +18,7 @@ from agentstate.catalog import Catalog, LMDBCatalog
 from agentstate.chunks import ChunkStore, Span
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, KVShapeError
+from agentstate.keyed_locks import KeyedLocks
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, ChunkKey, chunk_keys, namespace_for, validate_id
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget, TensorTarget
@@ -45,7 +45,8 @@ class StoreBase:
             raise
         self.usage_log = UsageLog(self.catalog, config.usage_flush_s, enabled=not read_only)
         """accounting and hit times on their way to the catalog (one for every tenant view)"""
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks = KeyedLocks()
+        """one writer at a time per tenant/session (shared by every tenant view)"""
         self._owner = True
 
     def for_tenant(self, tenant: str) -> Self:
@@ -102,14 +103,8 @@ class StoreBase:
 
     @contextlib.asynccontextmanager
     async def _session_lock(self, session_id: str) -> AsyncIterator[None]:
-        name = f"{self.tenant}/{session_id}"
-        lock = self._locks.setdefault(name, asyncio.Lock())
-        try:
-            async with lock:
-                yield
-        finally:
-            if not lock.locked() and self._locks.get(name) is lock:
-                del self._locks[name]
+        async with self._locks.hold(f"{self.tenant}/{session_id}"):
+            yield
 
     async def _collect(self, keys: Sequence[str]) -> None:
         """Delete what lost its last reference (or never got one), unless something pinned it meanwhile."""

@@ -148,3 +148,64 @@ async def test_a_directory_reopened_with_another_chunk_size_resumes_what_it_hold
         assert r.complete and bits_equal(r.kv, kv)
         await store.snapshot("s", toks, kv)  # rewritten in this store's chunks
         assert (await store.session("s")).chunk_tokens == 128 and bits_equal((await store.resume("s")).kv, kv)
+
+
+async def test_concurrent_snapshots_of_one_session_serialize(store: StateStore) -> None:
+    """8 writers of the same sessions, no expected_version: every snapshot commits, versions are
+    consecutive, and each session ends holding one writer's whole state (the lock map is empty after).
+    A lock dropped from its map right after a release that woke a waiter let a third writer make a
+    second lock for the same session: ConflictError ("at version 3, expected 2")."""
+    import asyncio
+
+    ids = ["u", "v"]
+    kvs = [random_kv(SPEC4, 80, seed=s) for s in range(8)]
+    toks = [random_tokens(80, seed=s) for s in range(8)]  # a writer's KV is a function of its tokens
+    views = [store, store.for_tenant(store.tenant)]  # a tenant view shares the locks
+    versions: dict[str, list[int]] = {i: [] for i in ids}
+
+    async def writer(w: int) -> None:
+        for round_ in range(12):
+            sid = ids[(w + round_) % len(ids)]
+            m = await views[w % 2].snapshot(sid, toks[w], kvs[w], state={"w": w})
+            versions[sid].append(m.version)
+
+    await asyncio.gather(*(writer(w) for w in range(8)))
+    for sid in ids:
+        assert sorted(versions[sid]) == list(range(1, len(versions[sid]) + 1))
+        r = await store.resume(sid)
+        assert r.manifest.version == len(versions[sid])
+        assert r.manifest.tokens == toks[r.state["w"]] and bits_equal(r.kv, kvs[r.state["w"]])
+    assert len(store._locks) == 0
+
+
+async def test_keyed_lock_survives_a_woken_waiter() -> None:
+    """The exact interleaving: A holds, B waits, A releases (B woken, not yet run), C arrives.
+    C must wait for B, never run beside it."""
+    import asyncio
+
+    from agentstate.keyed_locks import KeyedLocks
+
+    locks = KeyedLocks()
+    inside: list[str] = []
+    overlap: list[tuple[str, ...]] = []
+
+    async def user(name: str, release: asyncio.Event | None = None) -> None:
+        async with locks.hold("s"):
+            inside.append(name)
+            if len(inside) > 1:
+                overlap.append(tuple(inside))
+            if release is not None:
+                await release.wait()
+            await asyncio.sleep(0)
+            inside.remove(name)
+
+    go = asyncio.Event()
+    a = asyncio.create_task(user("a", go))
+    await asyncio.sleep(0)
+    b = asyncio.create_task(user("b"))
+    await asyncio.sleep(0)
+    go.set()
+    await asyncio.sleep(0)  # a releases: b is woken but has not run yet
+    c = asyncio.create_task(user("c"))
+    await asyncio.gather(a, b, c)
+    assert overlap == [] and len(locks) == 0
