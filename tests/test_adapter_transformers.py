@@ -2,12 +2,22 @@
 
 Models are tiny Llama- and Qwen2-shaped (GQA) decoders built from a config with seeded random
 weights: nothing is downloaded. Every comparison that the store is responsible for is bitwise.
+
+What the model computes is compared by what CPU kernels guarantee, so that the tests pass on any
+machine and under any load:
+- the same computation (same shapes, same input bits) run twice gives the same bits, given the same
+  thread count: those comparisons are bitwise, with the thread count pinned (`pinned_threads`);
+- a prefill over a restored cache against the matching rows of one longer prefill is NOT the same
+  computation: the matmuls see M=8 rows against M=200 and block them differently (MKL picks its
+  kernel by shape and by the CPU's instruction set), so the last bits differ by machine. Those are
+  compared within `LOGITS_ATOL`, and their greedy tokens must be equal wherever the reference's
+  top-2 margin is wider than twice that (`assert_close_logits`).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -32,6 +42,11 @@ SHAPES: dict[str, Callable[..., Any]] = {
     ),
 }  # fmt: skip
 STEPS = 8
+LOGITS_ATOL = 1e-4
+"""float32 logits of a prefill over restored KV against the same rows of a longer prefill: measured
+at most 3.6e-7 apart (qwen2, 1-4 threads, AVX-512), on logits of magnitude ~1, while KV of other
+tokens moves them by 0.2-0.9 and the right KV one position off by 1.4e-2 (llama) or more. The
+tolerance leaves room for other instruction sets and stays two orders of magnitude below an error."""
 
 
 def build(kind: str, dtype: torch.dtype = torch.float32, **kw: Any) -> Any:
@@ -58,6 +73,30 @@ def greedy(model: Any, cache: DynamicCache, token: int, steps: int = STEPS) -> t
         tokens.append(token)
         logits.append(step)
     return tokens, logits
+
+
+@pytest.fixture
+def pinned_threads() -> Iterator[int]:
+    """One intra-op thread for the test: where it claims bitwise equal model outputs, both sides run
+    the very same kernels with the same work split, whatever the machine's core count or OMP_NUM_THREADS."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def assert_close_logits(got: torch.Tensor, want: torch.Tensor, atol: float = LOGITS_ATOL) -> None:
+    """`got` within `atol` of `want`, and the same greedy token at every position whose top-2 margin
+    in `want` exceeds 2 * atol (where it does not, rounding alone may pick either token)."""
+    assert got.shape == want.shape
+    diff = float((got - want).abs().max())
+    assert diff <= atol, f"logits differ by {diff:.3g} > {atol:g}"
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * atol
+    assert clear.any(), "no position with a clear greedy token: the comparison would prove nothing"
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
 def same_layers(a: Any, b: Any) -> bool:
@@ -108,8 +147,11 @@ def test_spec_for_reads_the_config() -> None:
 @pytest.mark.parametrize("kind", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 async def test_resumed_generation_is_bitwise_identical(
-    open_store: Callable[..., Any], kind: str, dtype: torch.dtype
+    open_store: Callable[..., Any], kind: str, dtype: torch.dtype, pinned_threads: int
 ) -> None:
+    """Decoding from the restored cache repeats decoding from the original one bit for bit: the caches
+    are bitwise equal and every step has the same shapes on both sides, so the same kernels run on
+    the same bits; the thread count is pinned (`pinned_threads`) so that both split the work alike."""
     model = build(kind, dtype)
     spec = spec_of(model, kind)
     ids = prompt(150)  # two 64-token chunks and a 22-token tail
@@ -142,6 +184,9 @@ async def test_resumed_generation_is_bitwise_identical(
 
 @pytest.mark.parametrize("kind", SHAPES)
 async def test_prefix_restore_then_prefill_matches_full_prefill(open_store: Callable[..., Any], kind: str) -> None:
+    """The restored prefix KV is bitwise what was stored; the logits of a prefill over it match the full
+    prefill's rows within LOGITS_ATOL, with the same greedy tokens where the margin allows (the row
+    blocking of a shorter prefill is another computation: see the module's docstring)."""
     model = build(kind)
     spec = spec_of(model, kind)
     ids = prompt(200)
@@ -155,27 +200,26 @@ async def test_prefix_restore_then_prefill_matches_full_prefill(open_store: Call
         rest_logits, _ = forward(model, ids[:, 128:], cache)
         # The model's part is not bitwise here, and cannot be expected to be: the prefix KV came
         # from a 128-row prefill, the reference's from a 200-row one, and the projection matmuls
-        # block their rows differently for M=128 and M=200 (the prefix K/V already differ by about
-        # 1e-7; the logits by under 1e-6). So: a tight tolerance, and the same next tokens.
-        assert torch.allclose(rest_logits, full_logits[:, 128:], rtol=0, atol=1e-5)
-        assert torch.equal(rest_logits.argmax(-1), full_logits[:, 128:].argmax(-1))
+        # block their rows differently for M=128 and M=200; the rest's prefill has M=72.
+        assert_close_logits(rest_logits, full_logits[:, 128:])
 
-        # With the prefix KV taken from the full prefill itself, the rest's prefill over the
-        # restored cache reproduces the full prefill's rows bit for bit (on CPU, float32).
+        # With the prefix KV taken from the full prefill itself the stored bytes are the reference's
+        # own, yet the tail's prefill (M=8) still blocks differently from the full one (M=200): the
+        # bits of its logits depend on the machine (qwen2 differs by ~4e-7 on AVX-512), so a tolerance.
         other = prompt(200, seed=1)
         other_logits, other_cache = forward(model, other)
         assert await tfa.put_prefix(store, other, other_cache) == 192  # whole chunks only
         n, cache = await tfa.load_prefix(store, other, model)
         assert n == 192
+        assert same_layers(cache, tfa.kv_to_cache(tfa.cache_to_kv(other_cache, spec, num_tokens=192), model))
         tail_logits, _ = forward(model, other[:, 192:], cache)
-        assert torch.equal(tail_logits, other_logits[:, 192:])
+        assert_close_logits(tail_logits, other_logits[:, 192:])
 
         # A prompt that is exactly the stored prefix still leaves its last token to prefill.
         n, cache = await tfa.load_prefix(store, ids[:, :128], model)
         assert n == 127 and cache.get_seq_length() == 127
         last_logits, _ = forward(model, ids[:, 127:128], cache)
-        assert torch.allclose(last_logits[0, -1], full_logits[0, 127], rtol=0, atol=1e-5)
-        assert int(last_logits[0, -1].argmax()) == int(full_logits[0, 127].argmax())
+        assert_close_logits(last_logits[:, -1], full_logits[:, 127])
 
         n, cache = await tfa.load_prefix(store, prompt(200, seed=9), model)  # nothing shared
         assert n == 0 and cache.get_seq_length() == 0
@@ -247,7 +291,8 @@ async def test_resume_with_lost_tail_recomputes_the_rest(open_store: Callable[..
         await store.chunks.backend(store.chunks.record_tier).delete([manifest.tail_key])  # the 22-token tail is lost on disk
         tokens, restored, _, n = await tfa.resume(store, "s", model)
     assert n == 128 and restored.get_seq_length() == 128
+    assert same_layers(restored, tfa.kv_to_cache(tfa.cache_to_kv(cache, spec, num_tokens=128), model))
     rest, _ = forward(model, torch.tensor([tokens[n:]]), restored)
-    # The restored 128 tokens are the original prefill's own KV, so recomputing the rest over them
-    # reproduces the original rows bit for bit (on CPU, float32; as in the prefix test above).
-    assert torch.equal(rest, logits[:, n:])
+    # The restored 128 tokens are the original prefill's own KV (bitwise, above); recomputing the
+    # 22 others over them is a 22-row prefill against rows of a 150-row one: within LOGITS_ATOL.
+    assert_close_logits(rest, logits[:, n:])
