@@ -14,19 +14,38 @@ from agentstate.target import PagedTarget
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 
 
-class SlowBackend(Backend):
-    """Wraps a real backend; every read call sleeps `delay` and records how many overlap."""
+GUARD_S = 60.0
+"""Longest a gated read waits for its condition: a guard against a hang, never reached when the code works."""
 
-    def __init__(self, inner: Backend, delay: float) -> None:
+
+class SlowBackend(Backend):
+    """Wraps a real backend; every read call sleeps `delay` and records how many overlap.
+
+    Orderings that a test relies on are made by events, not by sleeps, so that a loaded machine cannot
+    reorder them: with `hold_after`, calls past the first `hold_after` wait until `gate` is set; with
+    `until_peak`, every call waits until that many are in flight at once (or GUARD_S pass)."""
+
+    def __init__(self, inner: Backend, delay: float, hold_after: int | None = None, until_peak: int = 0) -> None:
         self.inner, self.delay = inner, delay
         self.name, self.durable, self.trusted = inner.name, inner.durable, inner.trusted
         self.active = self.peak = self.calls = 0
+        self.hold_after, self.until_peak = hold_after, until_peak
+        self.gate, self.full = asyncio.Event(), asyncio.Event()
 
     async def read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:
         self.active += 1
         self.calls += 1
         self.peak = max(self.peak, self.active)
         try:
+            if self.hold_after is not None and self.calls > self.hold_after:
+                await asyncio.wait_for(self.gate.wait(), GUARD_S)
+            if self.until_peak:
+                if self.active >= self.until_peak:
+                    self.full.set()
+                try:
+                    await asyncio.wait_for(self.full.wait(), GUARD_S)
+                except asyncio.TimeoutError:
+                    self.full.set()  # the peak never came: let every read go; the test's assertion fails
             await asyncio.sleep(self.delay)
             return await self.inner.read(keys, sink)
         finally:
@@ -58,8 +77,8 @@ class SlowBackend(Backend):
         await self.inner.close()
 
 
-def slow_record(store: StateStore, delay: float) -> SlowBackend:
-    slow = SlowBackend(store.chunks.backend(store.chunks.record_tier), delay)
+def slow_record(store: StateStore, delay: float, **gates: int | None) -> SlowBackend:
+    slow = SlowBackend(store.chunks.backend(store.chunks.record_tier), delay, **gates)  # type: ignore[arg-type]
     store.chunks._manager.tier(store.chunks.record_tier).backend = slow
     return slow
 
@@ -69,8 +88,8 @@ async def test_64_reads_with_16_in_flight_overlap(open_store) -> None:  # type: 
     async with open_store() as store:
         await store.put_prefix(tokens, kv)
     async with open_store(host_capacity_bytes=0, io_depth=16, batch_bytes=1) as store:
-        slow = slow_record(store, delay=0.05)
-        into = torch.zeros_like(kv)
+        slow = slow_record(store, delay=0.05, until_peak=16)  # the first 16 wait for each other: no sleep
+        into = torch.zeros_like(kv)  # decides how many overlap, however slowly the loop issues them
         assert await store.load(tokens, into) == 64 * 64
         assert bits_equal(into, kv)
         assert slow.calls == 64  # one read per chunk ...
@@ -83,15 +102,17 @@ async def test_best_effort_returns_a_prefix_and_the_rest_arrives_later(open_stor
     async with open_store() as store:
         await store.put_prefix(tokens, kv)
     async with open_store(io_depth=4, batch_bytes=1) as store:  # host tier empty after the reopen
-        # waves of 4 chunks, 1 s each: the deadline falls half a wave after the first (margin for a
-        # loaded machine), a whole wave before the last
-        slow_record(store, delay=1.0)
+        # The first wave (4 reads) answers at once, every later read waits until the load has returned:
+        # which chunks made the deadline is decided by the gate, not by how fast a loaded machine runs.
+        slow = slow_record(store, delay=0.0, hold_after=4)
         handle = await store.prefetch(tokens)
         into = torch.zeros_like(kv)
         n = await store.load(tokens, into, policy="best_effort", timeout=1.5, prefetch=handle)
-        assert n % 64 == 0 and 0 < n < 16 * 64  # the first wave (4 chunks) made the deadline, not all 16
+        assert n == 4 * 64  # the first wave made the deadline, nothing past it
         assert bits_equal(into[:, :, :n], kv[:, :, :n]) and not into[:, :, n:].view(torch.uint8).any()
-        assert await handle.wait(10)
+        assert not handle.done
+        slow.gate.set()
+        assert await handle.wait(GUARD_S)
         into2 = torch.zeros_like(kv)
         assert await store.load(tokens, into2, policy="best_effort") == 16 * 64  # all in memory now
         assert bits_equal(into2, kv)

@@ -7,6 +7,7 @@ import ctypes
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -124,11 +125,28 @@ async def test_killed_storage_gives_clean_misses_and_opens_the_breaker(tmp_path:
         server.stop()
 
 
+STUCK_S = 4.0
+"""Under the ~4.3 s a dead master holds one client call: a duration below it shows the tier did not wait."""
+
+
 async def test_master_down_calls_are_bounded_by_the_timeout(tmp_path: Path) -> None:
     """A dead master makes each client call block ~4.3 s: the tier gives up after timeout_s, then
-    the open breaker answers at once, without touching the client."""
+    the open breaker answers at once, without touching the client.
+
+    Bounds are what would fail if the tier waited on the client (STUCK_S, not a speed a loaded machine
+    may miss); that no call reaches the client with the circuit open is counted, not timed (every client
+    call goes through `_work`). The client does not always block: a master that refuses at once fails fast."""
     server = MooncakeServer(tmp_path / "mc").start()
     b = server.backend(prefix="t-master:", timeout_s=0.5, breaker_threshold=2, breaker_cooldown_s=30)
+    calls = 0
+    work = b._work
+
+    def counted(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return work(*args)
+
+    b._work = counted
     try:
         await b.put(["c/a"], [b"x" * 1000])
         assert await b.exists(["c/a"]) == [True]
@@ -136,22 +154,22 @@ async def test_master_down_calls_are_bounded_by_the_timeout(tmp_path: Path) -> N
         t0 = time.monotonic()
         assert await b.exists(["c/a"]) == [False]
         found, _ = await read_all(b, ["c/a"])
-        assert found == [False] and time.monotonic() - t0 < 2.5
+        assert found == [False] and time.monotonic() - t0 < STUCK_S  # two calls, each cut at 0.5 s
         assert b.breaker.open
-        t0 = time.monotonic()
+        before = calls
         with pytest.raises(BackendError) as err:
             await b.put(["c/b"], [b"y"])
         assert err.value.retryable and not isinstance(err.value, CapacityError)
         assert await b.exists(["c/a"]) == [False]
         with pytest.raises(BackendError):
             _ = [k async for k in b.keys()]
-        assert time.monotonic() - t0 < 0.1  # circuit open: no call made
+        assert calls == before  # circuit open: no call made
         assert (await b.stats()).errors >= 4
     finally:
         t0 = time.monotonic()
         await b.close()
-        assert time.monotonic() - t0 < 1.0  # calls still stuck in the client close it when they return
-        while b.busy and time.monotonic() - t0 < 10:  # let them, so none is left in C++ at exit
+        assert time.monotonic() - t0 < STUCK_S  # calls still stuck in the client close it when they return
+        while b.busy and time.monotonic() - t0 < 60:  # let them, so none is left in C++ at exit
             await asyncio.sleep(0.1)
         assert b.busy == 0
         server.stop()

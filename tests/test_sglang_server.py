@@ -16,9 +16,12 @@ by side (two cores), one per page size (16 and 1), each on one agentstate data d
 - then two servers at once with their own directories over one Redis tier and catalog: the second gets
   storage hits for the pages the first wrote.
 
-With page size 16 every comparison is bit for bit. With page size 1 logprobs after a storage hit are a
-few ulp (~5e-7) off the cold run's with SGLang's own `file` L3 too, while greedy tokens stay equal (measured):
-compared within 1e-5 there.
+Greedy tokens after a storage hit equal the cold run's; their logprobs are compared within LOGPROB_TOL,
+not bit for bit. A storage hit prefills only the prompt's last tokens over the pages read back, the cold run
+all 300 at once: the stored pages are the cold run's own bytes, but the matmuls of a 12-row prefill block
+their rows otherwise than those of a 300-row one, so the last bits depend on the CPU (with page size 1
+logprobs were measured ~5e-7 off, with SGLang's own `file` L3 too; with page size 16 equal on one machine
+and not on another). Zeroed or misplaced pages move them by far more.
 
 Needs requirements-sglang.txt and requirements-sglang-server.txt in this venv (CI fails instead of
 skipping), a C++ compiler, ninja and OpenSSL headers (SGLang's page-hash extension is built here once).
@@ -27,6 +30,7 @@ skipping), a C++ compiler, ninja and OpenSSL headers (SGLang's page-hash extensi
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import subprocess
@@ -72,12 +76,16 @@ def cached(out: dict[str, Any]) -> dict[str, Any]:
     return dict(out["meta_info"].get("cached_tokens_details") or {})
 
 
-def same_output(a: dict[str, Any], b: dict[str, Any], page: int) -> bool:
+LOGPROB_TOL = {"rel_tol": 1e-5, "abs_tol": 1e-4}
+"""How far a warm run's logprobs may be from the cold run's: rounding of another row blocking (see above)."""
+
+
+def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same greedy tokens, and logprobs equal up to rounding (LOGPROB_TOL)."""
     if a["output_ids"] != b["output_ids"]:
         return False
-    if page > 1:
-        return logprobs(a) == logprobs(b)  # bit for bit
-    return all(abs(x - y) <= 1e-5 for x, y in zip(logprobs(a), logprobs(b)))
+    x, y = logprobs(a), logprobs(b)
+    return len(x) == len(y) and all(math.isclose(p, q, **LOGPROB_TOL) for p, q in zip(x, y))
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +238,7 @@ def test_flush_then_storage_hit_every_layout_and_interface(runs: dict[str, Any],
         details = cached(warm)
         assert details["storage_backend"] == "AgentStateStorage", (layout, v1, details)
         assert details["storage"] == full(page) and details["device"] == 0 and details["host"] == 0, (layout, v1, details)
-        assert same_output(warm, cold, page), (layout, v1)
+        assert same_output(warm, cold), (layout, v1)
 
 
 def test_sglang_metrics_show_agentstate_l3(runs: dict[str, Any]) -> None:
@@ -253,7 +261,7 @@ def test_new_process_reads_pages_another_layout_wrote(runs: dict[str, Any], page
         out, cold = steps[i]["previous"], steps[i - 1]["cold"]
         details = cached(out)
         assert details["storage"] == full(page) and details["device"] == 0, (CHAIN[i - 1], CHAIN[i], details)
-        assert same_output(out, cold, page), (CHAIN[i - 1], CHAIN[i])
+        assert same_output(out, cold), (CHAIN[i - 1], CHAIN[i])
 
 
 def test_damaged_page_is_detected_and_recomputed(runs: dict[str, Any]) -> None:
@@ -263,15 +271,15 @@ def test_damaged_page_is_detected_and_recomputed(runs: dict[str, Any]) -> None:
     assert sorted(hits)[1:] == [full(16)] * (len(CHAIN) - 1) and hits.count(full(16)) == len(CHAIN) - 1, hits
     assert min(hits) < full(16) and min(hits) % 16 == 0, hits
     for out, step in zip(got["after_damage"], got["chain"]):
-        assert same_output(out, step["cold"], 16)  # never a wrong token, bit for bit
+        assert same_output(out, step["cold"])  # never a wrong token
 
 
 def test_sglang_file_l3_serves_damaged_pages(runs: dict[str, Any]) -> None:
     """The negative control, recorded: SGLang's HiCacheFile reads zeroed page files back as hits."""
     got = runs[1]["file"]
-    assert got["files"] > 0 and same_output(got["warm"], got["cold"], 16)
+    assert got["files"] > 0 and same_output(got["warm"], got["cold"])
     storage = cached(got["damaged"]).get("storage", 0)
-    changed = not same_output(got["damaged"], got["cold"], 16)
+    changed = not same_output(got["damaged"], got["cold"])
     print(f"HiCacheFile after zeroing {got['files']} page files: storage hits {storage}, output changed: {changed}")
     assert storage == full(16)  # served as hits: it has no checksum (if this fails, SGLang learned to check)
 
@@ -282,7 +290,7 @@ def test_two_servers_share_one_redis_tier(runs: dict[str, Any]) -> None:
     assert cold["meta_info"]["cached_tokens"] == 0
     details = cached(second)
     assert details["storage"] == full(16) and details["device"] == 0, details
-    assert same_output(second, cold, 16)
+    assert same_output(second, cold)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
