@@ -184,6 +184,25 @@ class Backend(ABC):
         thread and must not raise. Returns which keys were found.
         """
 
+    async def read_bounded(self, keys: Sequence[str], sink: ReadSink, limits: Sequence[int]) -> list[bool]:
+        """`read`, where the caller knows the largest valid value of each key (`limits[i]` bytes: a
+        chunk's encoded size): a longer value is a miss, and `sink` never sees it.
+
+        Why the caller passes it: a tier that receives values from another host (Redis) must not take
+        a peer's word for a value's length, or one forged header makes it allocate hundreds of MiB per
+        read; with the bound it refuses the value before allocating or receiving it. Local tiers hold
+        what this process wrote, so the default only drops a longer value after the read.
+        """
+        found = [False] * len(keys)
+
+        def bounded(i: int, view: memoryview) -> None:
+            if view.nbytes <= limits[i]:
+                found[i] = True
+                sink(i, view)
+
+        got = await self.read(keys, bounded)
+        return [hit and ok for hit, ok in zip(got, found)]
+
     async def sizes(self, keys: Sequence[str]) -> list[int]:
         """Stored size of each value, 0 where missing (for capacity accounting after a restart).
 

@@ -300,13 +300,43 @@ class RedisBackend(Backend):
         sinks = [lambda view, i=i: sink(i, view) for i in range(len(keys))]  # type: ignore[misc]
         return [n >= 0 for n in await self._wire.read(keys, sinks)]
 
-    async def _py_read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:
-        """Reads through redis-py: whole values as bytes, handed to the sink."""
-        values = await self._per_key(keys, lambda p, k: p.get(k))
-        found = [v is not None and v is not FAILED for v in values]
+    async def read_bounded(self, keys: Sequence[str], sink: ReadSink, limits: Sequence[int]) -> list[bool]:
+        """`read`, refusing (as a counted miss, its connection dropped) a reply that declares more than
+        `limits[i]` bytes before receiving or allocating any of it: a server's length is not trusted."""
+        if len(limits) != len(keys):
+            raise InvalidArgumentError("keys and limits differ in length")
+        if not keys:
+            return []
+        if self._wire is None:
+            return await self._py_read(keys, sink, limits)
+        sinks = [lambda view, i=i: sink(i, view) for i in range(len(keys))]  # type: ignore[misc]
+        return [n >= 0 for n in await self._wire.read(keys, sinks, limits)]
+
+    async def _py_read(self, keys: Sequence[str], sink: ReadSink, limits: Sequence[int] | None = None) -> list[bool]:
+        """Reads through redis-py: whole values as bytes, handed to the sink. With `limits`, each is a
+        GETRANGE of at most limit + 1 bytes, so the server sends no more than that (one byte more says
+        the value is too long: a miss). A reply that is not a string (a server out of protocol) is a
+        counted miss, never handed on."""
+        if limits is None:
+            values = await self._per_key(keys, lambda p, k: p.get(k))
+        else:
+            bound = dict(zip(keys, limits))
+            values = await self._per_key(keys, lambda p, k: p.getrange(k, 0, bound[k[len(self.prefix) :]]))
+        found = [False] * len(keys)
+        bad = 0
         for i, value in enumerate(values):
-            if found[i]:
-                sink(i, memoryview(value))
+            if value is None or value is FAILED:
+                continue
+            if not isinstance(value, bytes | bytearray) or (limits is not None and len(value) > limits[i]):
+                bad += 1
+                continue
+            if limits is not None and not value:  # GETRANGE of a missing key: empty (no value is)
+                continue
+            found[i] = True
+            sink(i, memoryview(value))
+        if bad:
+            self._counts.update(errors=bad, bad_replies=bad)
+            log.warning("redis GET: %d replies not a value of their key's size, treated as misses", bad)
         self._counts.update(reads=sum(found), misses=len(keys) - sum(found))
         return found
 

@@ -3,7 +3,9 @@
 Why a pool per node: one connection carries one reply at a time, so a few connections keep a
 node's single thread busy while the client is still landing the last value; and a cluster's keys
 go each to the node owning its slot, so a dead node costs only its own keys. What the wire client
-cannot settle (a MOVED or ASK, a stream it doubts, a refused handshake) goes back to redis-py.
+cannot settle (a MOVED or ASK, a refused handshake) goes back to redis-py. A reply that breaks the
+protocol or declares a value longer than its key's bound is a counted miss: it never goes to redis-py,
+which would take the server's word for the length.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from agentstate.backends.redis_wire import (
     MISS,
+    BadReplyError,
     TOO_BIG,
     ReplyError,
     Request,
@@ -85,7 +88,12 @@ class NodePool:
         return self.conns
 
     def _submit(
-        self, conns: list[RespProtocol], keys: Sequence[bytes], targets: Sequence[Target | None], command: bytes
+        self,
+        conns: list[RespProtocol],
+        keys: Sequence[bytes],
+        targets: Sequence[Target | None],
+        command: bytes,
+        limits: Sequence[int | None],
     ) -> list[Request]:
         """Values spread over the least loaded connections; small replies (EXISTS) all on one, since
         each connection used costs a write and a wakeup of its own."""
@@ -95,11 +103,11 @@ class NodePool:
         reqs = []
         spread = command == b"GET"
         j = min(range(len(conns)), key=load.__getitem__)
-        for key, target in zip(keys, targets):
+        for key, target, limit in zip(keys, targets, limits):
             if spread:
                 j = min(range(len(conns)), key=load.__getitem__)
                 load[j] += 1
-            req = Request(target, loop.create_future(), b"$" if command == b"GET" else b":")
+            req = Request(target, loop.create_future(), b"$" if command == b"GET" else b":", limit)
             req.conn = conns[j]
             batches[j][0].append(pack(command, key))
             batches[j][1].append(req)
@@ -121,14 +129,17 @@ class NodePool:
         timeout: float,
         retries: int = 2,
         command: bytes = b"GET",
+        limits: Sequence[int | None] | None = None,
     ) -> list[int | Exception]:
         """GET each key into its target. Per request: bytes written (or handed to the sink), MISS,
-        TOO_BIG, or its error: ReplyError (refused), WireProtocolError (a stream or handshake in doubt),
-        WireError (the node is down or slower than `timeout`, after `retries` reconnects). Requests that
+        TOO_BIG, or its error: ReplyError (refused), BadReplyError (a reply no GET returns, or a value
+        longer than `limits[i]`: never retried), WireProtocolError (a handshake in doubt), WireError
+        (the node is down or slower than `timeout`, after `retries` reconnects). Requests that
         completed keep their result; from the moment a request fails or is cancelled, nothing more of
         its reply lands in its target."""
         if not keys:
             return []
+        bounds: Sequence[int | None] = [None] * len(keys) if limits is None else limits
         deadline = time.monotonic() + timeout
         out: list[int | Exception] = [WireError("not sent")] * len(keys)
         todo = list(range(len(keys)))
@@ -140,7 +151,8 @@ class NodePool:
                 for i in todo:
                     out[i] = err
                 return out
-            reqs = self._submit(conns, [keys[i] for i in todo], [targets[i] for i in todo], command)
+            reqs = self._submit(conns, [keys[i] for i in todo], [targets[i] for i in todo], command,
+                                [bounds[i] for i in todo])  # fmt: skip
             try:
                 _, late = await asyncio.wait([r.future for r in reqs], timeout=max(deadline - time.monotonic(), 0))
             except BaseException:  # cancelled: from now on its bytes are dropped
@@ -189,11 +201,15 @@ class WireReader:
         return groups
 
     async def _ask(
-        self, keys: Sequence[str], targets: Sequence[Target | None], command: bytes
+        self,
+        keys: Sequence[str],
+        targets: Sequence[Target | None],
+        command: bytes,
+        limits: Sequence[int | None] | None = None,
     ) -> tuple[list[int | None], list[int]]:
         """`command` for each key on the node that owns it. Per key: its integer result (bytes, MISS or
-        TOO_BIG for GET; the count for EXISTS), or None where its node is down or refused it; and the
-        keys the wire client could not settle, for redis-py."""
+        TOO_BIG for GET; the count for EXISTS), or None where its node is down, refused it or answered
+        out of protocol; and the keys the wire client could not settle, for redis-py."""
         b = self.backend
         out: list[int | None] = [None] * len(keys)
         doubt: list[int] = []
@@ -216,19 +232,22 @@ class WireReader:
                 b._gate = asyncio.Semaphore(b._max_in_flight)
             async with b._gate:  # calls in flight bounded as on redis-py's path: a wait here is not the node's
                 got = await pool.fetch([b._k(keys[i]).encode() for i in idx], [targets[i] for i in idx],
-                                       timeout=b.timeout_s, retries=self.retries, command=command)  # fmt: skip
+                                       timeout=b.timeout_s, retries=self.retries, command=command,
+                                       limits=None if limits is None else [limits[i] for i in idx])  # fmt: skip
             if down := next((g for g in got if type(g) is WireError), None):
                 breaker.failure()  # down, or dropped again after every retry: its keys are misses
                 b._counts["errors"] += 1
                 log.warning("redis %s on %s failed (%s)", command.decode(), node, down)
             else:
                 breaker.success()
-            refused = []
+            refused, bad = [], []
             for i, g in zip(idx, got):
                 if isinstance(g, int):
                     out[i] = g
                 elif type(g) is WireError:
                     continue
+                elif isinstance(g, BadReplyError):
+                    bad.append(str(g))  # a miss, its connection already dropped; not an outage of the node
                 elif isinstance(g, ReplyError) and not g.reply.startswith(FOR_REDIS_PY):
                     refused.append(g.reply)  # e.g. WRONGTYPE: this key alone is refused, a miss
                 elif isinstance(g, ReplyError | WireProtocolError):
@@ -238,6 +257,10 @@ class WireReader:
             if refused:
                 b._counts["refused"] += len(refused)
                 log.warning("redis refused %d %s on %s: %s", len(refused), command.decode(), node, refused[0][:200])
+            if bad:
+                b._counts.update(errors=len(bad), bad_replies=len(bad))
+                log.warning("redis %s on %s: %d replies out of protocol, treated as misses: %s", command.decode(),
+                            node, len(bad), bad[0][:200])  # fmt: skip
 
         if len(groups) == 1:  # one node (always, outside a cluster): no task to schedule
             await run(*next((node, *group) for node, group in groups.items()))
@@ -245,16 +268,23 @@ class WireReader:
             await asyncio.gather(*(run(node, cfg, idx) for node, (cfg, idx) in groups.items()))
         return out, doubt
 
-    async def read(self, keys: Sequence[str], targets: Sequence[Target]) -> list[int]:
-        """Each value into its target: bytes, MISS or TOO_BIG. A down node's keys are counted misses
-        (behind its breaker); keys the wire client cannot settle are read again through redis-py."""
-        got, doubt = await self._ask(keys, targets, b"GET")
+    async def read(
+        self, keys: Sequence[str], targets: Sequence[Target], limits: Sequence[int] | None = None
+    ) -> list[int]:
+        """Each value into its target: bytes, MISS or TOO_BIG. `limits[i]`: the longest value key i may
+        have; a longer one is a counted miss, refused before it is received. A down node's keys are
+        counted misses (behind its breaker); keys the wire client cannot settle (MOVED, a refused
+        handshake) are read again through redis-py, under the same bounds."""
+        got, doubt = await self._ask(keys, targets, b"GET", limits)
         out = [MISS if n is None else n for n in got]
         served = sum(n >= 0 for n in out)
         self.backend._counts.update(reads=served, misses=len(keys) - len(doubt) - served)
         if doubt:
             sink = lambda j, view: _deliver(targets, out, doubt[j], view)
-            await self.backend._py_read([keys[i] for i in doubt], sink)
+            if limits is None:
+                await self.backend._py_read([keys[i] for i in doubt], sink)
+            else:
+                await self.backend._py_read([keys[i] for i in doubt], sink, [limits[i] for i in doubt])
         return out
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:

@@ -9,9 +9,18 @@ Only GET (and AUTH/SELECT when connecting) is spoken; every other command stays 
 
 Exactness, since a wrong byte served is worse than a miss: a nil reply is a miss; a value longer
 than its destination is read into scratch and dropped (TOO_BIG, the destination untouched); an
-error reply is a typed ReplyError for that request alone; a reply no GET returns, or a dropped
-connection, fails every request still on that connection (its stream can no longer be trusted). A
-request whose caller gave up (timeout, cancel) never writes into its destination afterwards.
+error reply is a typed ReplyError for that request alone; a reply no GET returns (an integer, an
+array, a status, a malformed header) is a BadReplyError for the request it answered, and the
+connection is dropped (its stream can no longer be trusted: the requests behind it fail with a plain
+WireError, which the pool retries on a fresh connection). A request whose caller gave up (timeout,
+cancel) never writes into its destination afterwards.
+
+Memory, since the length in a bulk header is the server's word: a request may carry a `limit`, the
+largest valid value for its key (the caller knows it: a chunk's encoded size). A longer declared
+length is a BadReplyError before a byte of it is received or allocated. A value for a sink is staged
+in a buffer of the declared length only when the caller bounded it; otherwise the buffer grows with
+the bytes that actually arrive. A staging buffer larger than `_KEEP_STAGING` (and than the request's
+own bound) is given back once its value is delivered, and every one when the connection drops.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ TOO_BIG = -2
 _SCRATCH = 256 << 10  # headers, small values and dropped bytes go through this buffer
 _MAX_LINE = 64 << 10  # a header or error line longer than this is not Redis talking
 _MAX_BULK = 512 << 20  # Redis's own proto-max-bulk-len default
+_STAGE_STEP = 1 << 20  # an unbounded value's staging starts this large and doubles as its bytes arrive
+_KEEP_STAGING = 8 << 20  # staging kept for the next value when no larger bound asked for it
 
 Sink = Callable[[memoryview], None]
 """Takes a complete value; the view is valid only during the call (it is the connection's staging buffer)."""
@@ -43,6 +54,13 @@ class WireError(BackendError):
 
 class WireProtocolError(WireError):
     """The server sent something no GET returns: the stream is out of sync and is dropped."""
+
+
+class BadReplyError(WireProtocolError):
+    """This request's reply was malformed, of a type its command never returns, or declared a value
+    longer than the request's bound. The connection is dropped; the request is a miss, never asked
+    again (a server that answers so once would answer so again, and a retry elsewhere would take its
+    word for the length)."""
 
 
 class ReplyError(BackendRefusedError):
@@ -88,11 +106,16 @@ def pack(*args: bytes) -> bytes:
 class Request:
     """One command on a connection: where its value goes, and the future its caller awaits."""
 
-    __slots__ = ("cancelled", "conn", "future", "reply", "target")
+    __slots__ = ("cancelled", "conn", "future", "limit", "reply", "target")
 
-    def __init__(self, target: Target | None, future: asyncio.Future[int], reply: bytes = b"$") -> None:
-        """`reply`: the reply type this command returns: `$` a bulk string (GET), `+` a status, `:` an integer."""
+    def __init__(
+        self, target: Target | None, future: asyncio.Future[int], reply: bytes = b"$", limit: int | None = None
+    ) -> None:
+        """`reply`: the reply type this command returns: `$` a bulk string (GET), `+` a status, `:` an integer.
+        `limit`: the longest value this request accepts (its key's largest valid value); None: any
+        value up to Redis's own bulk limit, staged as it arrives."""
         self.target, self.future, self.reply, self.cancelled = target, future, reply, False
+        self.limit = limit
         self.conn: RespProtocol | None = None
 
     def cancel(self) -> None:
@@ -114,6 +137,8 @@ class RespProtocol(asyncio.BufferedProtocol):
         self._start = self._end = 0
         self._staging = bytearray(0)
         self._body: memoryview | None = None  # where the current value goes; None: dropped
+        self._size = 0  # the current value's declared length
+        self._staged = False  # the current value lands in `_staging` (for a sink), which may grow
         self._left = 0  # bytes of the current value still to come
         self._result = 0  # what the current value resolves its request to
         self._crlf = False  # the current value is complete: its CRLF comes next
@@ -164,13 +189,26 @@ class RespProtocol(asyncio.BufferedProtocol):
             if not req.future.done():
                 req.future.set_exception(exc)
         self._body, self._left, self._crlf, self._direct = None, 0, False, False
+        self._staging, self._staged = bytearray(0), False  # a dropped connection keeps no memory
+
+    def _room(self) -> memoryview:
+        """Where the current value's next bytes go: its body past what arrived, the staging grown
+        first (double, at most the declared length) when an unbounded value has filled it."""
+        assert self._body is not None
+        at = self._size - self._left
+        if at == len(self._body):  # only a staged value's body is ever shorter than its length
+            grown = bytearray(min(self._size, max(2 * len(self._body), _STAGE_STEP)))
+            grown[:at] = self._body
+            self._staging = grown
+            self._body = memoryview(grown)[: len(grown)]
+        return self._body[at:]
 
     def get_buffer(self, sizehint: int) -> memoryview:
         self._direct = False  # a recv that failed never reached buffer_updated: decide afresh
         if self._left and self._body is not None:
             if not self.pending[0].cancelled:
                 self._direct = True
-                return self._body[len(self._body) - self._left :]
+                return self._room()
             self._body = None  # its caller gave up: drop the rest
         if self._start == self._end:
             self._start = self._end = 0
@@ -191,6 +229,10 @@ class RespProtocol(asyncio.BufferedProtocol):
         self._end += nbytes
         try:
             self._parse()
+        except BadReplyError as exc:  # its request fails with it; those behind it may be asked again
+            if self.pending and not self.pending[0].future.done():
+                self.pending.popleft().future.set_exception(exc)
+            self.abort(WireError("connection dropped after a bad reply to an earlier request"))
         except WireError as exc:
             self.abort(exc)
 
@@ -200,8 +242,9 @@ class RespProtocol(asyncio.BufferedProtocol):
             if self._left:  # value bytes that arrived with its header (or are being dropped)
                 n = min(self._left, self._end - self._start)
                 if self._body is not None and not self.pending[0].cancelled:
-                    at = len(self._body) - self._left
-                    self._body[at : at + n] = self._view[self._start : self._start + n]
+                    room = self._room()
+                    n = min(n, len(room))
+                    room[:n] = self._view[self._start : self._start + n]
                 self._start += n
                 self._left -= n
                 self._crlf = not self._left
@@ -209,7 +252,7 @@ class RespProtocol(asyncio.BufferedProtocol):
                 if self._end - self._start < 2:
                     return
                 if buf[self._start : self._start + 2] != b"\r\n":
-                    raise WireProtocolError("a value not followed by CRLF")
+                    raise BadReplyError("a value not followed by CRLF")
                 self._start += 2
                 self._crlf = False
                 self._complete()
@@ -217,7 +260,7 @@ class RespProtocol(asyncio.BufferedProtocol):
                 eol = buf.find(b"\r\n", self._start, self._end)
                 if eol < 0:
                     if self._end - self._start > _MAX_LINE:
-                        raise WireProtocolError("a reply line without an end")
+                        raise (BadReplyError if self.pending else WireProtocolError)("a reply line without an end")
                     return
                 line = bytes(buf[self._start : eol])
                 self._start = eol + 2
@@ -230,40 +273,51 @@ class RespProtocol(asyncio.BufferedProtocol):
         if kind == b"-":
             self._finish(ReplyError(line[1:].decode("utf-8", "replace")))
         elif req.reply != kind:
-            raise WireProtocolError(f"a {kind!r} reply where {req.reply!r} belongs")
+            raise BadReplyError(f"a {kind[:1]!r} reply where {req.reply!r} belongs")
         elif kind == b"+":
             self._finish(0)
         elif kind == b":":
             try:
                 self._finish(int(line[1:]))
             except ValueError:
-                raise WireProtocolError("a bad integer") from None
+                raise BadReplyError("a bad integer") from None
         else:
             try:
                 n = int(line[1:])
             except ValueError:
-                raise WireProtocolError("a bad bulk length") from None
+                raise BadReplyError("a bad bulk length") from None
             if n == -1:
                 return self._finish(MISS)
             if not 0 <= n <= _MAX_BULK:
-                raise WireProtocolError("a bad bulk length")
-            target, self._big = req.target, n >= 65536
+                raise BadReplyError("a bad bulk length")
+            if req.limit is not None and n > req.limit and not req.cancelled:
+                raise BadReplyError(f"a value of {n} bytes where at most {req.limit} belong")
+            target, self._big, self._staged = req.target, n >= 65536, False
             if req.cancelled:
                 self._body, self._result = None, MISS
             elif isinstance(target, memoryview):
                 self._body, self._result = (target[:n], n) if n <= len(target) else (None, TOO_BIG)
             else:
-                if len(self._staging) < n:  # a new buffer, never a resize: a sink may still hold a view
-                    self._staging = bytearray(max(n, 2 * len(self._staging)))
-                self._body, self._result = memoryview(self._staging)[:n], n
-            self._left, self._crlf = n, not n
+                # Staged for the sink. A bounded request's length is at most what the caller vouched
+                # for: staged whole. An unbounded one's is the server's word: the buffer starts small
+                # and grows only with bytes that arrive. A new buffer, never a resize.
+                need = n if req.limit is not None else min(n, _STAGE_STEP)
+                if len(self._staging) < need:
+                    self._staging = bytearray(need)
+                self._body = memoryview(self._staging)[: min(n, len(self._staging))]
+                self._result, self._staged = n, True
+            self._size, self._left, self._crlf = n, n, not n
 
     def _complete(self) -> None:
         req, body = self.pending[0], self._body
         self._body = None
+        if self._staged:  # staging past what this workload's bounds ask for is given back
+            self._staged = False
+            if len(self._staging) > max(_KEEP_STAGING, req.limit or 0):
+                self._staging = bytearray(0)
         if callable(req.target) and body is not None and not req.cancelled:
             try:
-                req.target(body)
+                req.target(body[: self._size])
             except Exception as exc:  # noqa: BLE001  # the caller's sink failed: its request fails, the stream is fine
                 return self._finish(exc)
         self._finish(self._result)

@@ -194,7 +194,9 @@ class Transfer:
                 if keep_copy:
                     owned[keys[i]] = copy_bytes(view)
 
-            return lambda: tier.backend.read([keys[i] for i in run], sink)
+            # The largest valid value of each key bounds the read: a remote tier refuses a longer one
+            # before it allocates or receives it (a forged length is a miss, not hundreds of MiB).
+            return lambda: tier.backend.read_bounded([keys[i] for i in run], sink, [sizes[i] for i in run])
 
         sizes = [self._chunk_bytes(n) for n in tokens]
         await self.io.gather([reader(run) for run in batches(sizes, self.batch_bytes)])
