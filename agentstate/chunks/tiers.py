@@ -20,7 +20,7 @@ import contextlib
 import logging
 import mmap
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -76,6 +76,9 @@ class TierManager:
         self.threshold = threshold
         self.exclusive = exclusive
         self.holds = holds if holds is not None else Holds()
+        for t in self.tiers:
+            if t.capacity is not None:  # what plans are made for: holds keep them, told below of each change
+                self.holds.track(t.lru)
         self.counts: Counter[str] = Counter()
         self.tier_counts: Counter[tuple[str, str]] = Counter()
         """(tier, what) -> amount: hits, misses, read_bytes, written_bytes, corrupt, evictions, promotions,
@@ -111,6 +114,7 @@ class TierManager:
             for key, size in zip(keys, sizes):
                 tier.lru[key] = size
                 tier.used += size
+            self.holds.tier_changed(tier.lru, keys)
             self.index.add(keys, name)
 
     # -- writes --------------------------------------------------------------------------------
@@ -160,6 +164,7 @@ class TierManager:
                 tier.lru.setdefault(key, 0)
             else:
                 tier.used -= tier.lru.pop(key, 0)
+        self.holds.tier_changed(tier.lru, keys)
         self.index.add([k for k, hit in zip(keys, present) if hit], tier.name)
         self.index.discard([k for k, hit in zip(keys, present) if not hit], tier.name)
 
@@ -191,6 +196,8 @@ class TierManager:
                     fits.append((key, value))
                 else:
                     spill.append((key, value))
+            # the batch's plan stays the one made before it, as eviction of the batch's own room saw it
+            self.holds.tier_changed(tier.lru, [k for k, _ in fits])
         # The record tier takes no lock: concurrent puts reach the backend together (group commit).
         try:
             if fits:
@@ -222,13 +229,13 @@ class TierManager:
             elif orphans:
                 raise CapacityError(f"tier {tier.name} is full and nothing in it can be evicted")
 
-    @staticmethod
-    def _unreserve(tier: Tier, items: Sequence[tuple[str, Value]]) -> None:
+    def _unreserve(self, tier: Tier, items: Sequence[tuple[str, Value]]) -> None:
         for key, value in items:
             if tier.lru.pop(key, None) is not None:
                 tier.used -= len(value)
+        self.holds.tier_changed(tier.lru, [k for k, _ in items])
 
-    async def _make_room(self, tier: Tier, size: int, keep: set[str], plan: dict[str, float]) -> bool:
+    async def _make_room(self, tier: Tier, size: int, keep: set[str], plan: Mapping[str, float]) -> bool:
         """Evict unpinned chunks until `size` more bytes fit: LRU among the unheld ones, then the held
         one expected back last (`plan`, from `Holds.plan`). Caller holds `tier.lock`."""
         assert tier.capacity is not None
@@ -279,6 +286,7 @@ class TierManager:
     async def _remove(self, tier: Tier, keys: Sequence[str]) -> None:
         for key in keys:
             tier.used -= tier.lru.pop(key, 0)
+        self.holds.tier_changed(tier.lru, keys)
         self.index.discard(keys, tier.name)
         await tier.backend.delete(keys)
 
