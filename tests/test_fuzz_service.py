@@ -300,7 +300,7 @@ def test_a_client_that_leaves_mid_body_is_a_400_not_a_500(live: Live, route: str
         seen = counted(c)
         with socket.create_connection(urlsplit(live.url).netloc.split(":"), timeout=20) as sock:  # type: ignore[arg-type]
             sock.sendall(head.encode() + body[: len(body) // 2])
-        for _ in range(200):  # the server notices the close on its own time
+        for _ in range(1200):  # the server notices the close on its own time (up to a minute on a loaded machine)
             if (now := counted(c)) != seen:
                 break
             time.sleep(0.05)
