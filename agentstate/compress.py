@@ -16,11 +16,13 @@ A frame wraps one stored value (an encoded chunk, see `agentstate.codec`) and is
 Why this shape: the checksum is over the compressed bytes, so damage is found before any
 decompressor runs, and it is bound to the key like the chunk codec's, so a frame copied under
 another key is refused (this matters for fp8, whose decoder re-encodes the chunk under the key it
-is read with). The declared original length is bounded (`MAX_VALUE_BYTES`), the stage length is at
+is read with). The declared original length is bounded (by the caller's `limit`, the largest valid
+value for that key, e.g. a chunk's encoded size; else `MAX_VALUE_BYTES`), the stage length is at
 most the original length, and the decoders are given exactly the stage length as their output
-limit, so a forged frame (a "bomb") can make a decoder allocate at most what it declares, and
-anything that does not come out at exactly that length is CorruptDataError: a miss, recomputed,
-never wrong bytes.
+limit, so a forged frame (a "bomb": a few KiB with a valid checksum declaring 1 GiB) is refused
+before any decoder runs or any output is allocated when it declares more than its key can hold, and
+otherwise makes a decoder allocate at most what the key can hold; anything that does not come out
+at exactly that length is CorruptDataError: a miss, recomputed, never wrong bytes.
 
 Lossless modes shuffle the chunk payload into byte planes (all high bytes of the bf16 elements,
 then all low bytes): exponents cluster, so zstd/lz4 find runs they cannot find interleaved. The
@@ -270,9 +272,14 @@ def original_length(frame: memoryview | bytes) -> int:
     return int(fields[5])
 
 
-def decompress(frame: memoryview | bytes, key: str, out: memoryview | None = None) -> memoryview:
+def decompress(
+    frame: memoryview | bytes, key: str, out: memoryview | None = None, *, limit: int = MAX_VALUE_BYTES
+) -> memoryview:
     """Check `frame` (read under `key`) and decode it into `out` (at least the original length) or a
-    fresh buffer; returns a view of exactly the original value. Any failure is CorruptDataError."""
+    fresh buffer; returns a view of exactly the original value. Any failure is CorruptDataError.
+
+    `limit`: the longest value `key` can hold (a chunk's encoded size); a frame declaring more is
+    refused before its checksum is computed or anything is allocated."""
     view = memoryview(frame).cast("B")
     if len(view) < HEADER_SIZE:
         raise CorruptDataError(f"compressed frame truncated: {len(view)} bytes")
@@ -282,7 +289,9 @@ def decompress(frame: memoryview | bytes, key: str, out: memoryview | None = Non
     if quant not in (QUANT_NONE, QUANT_FP8) or coder not in ENTROPY.values() or elem not in (1, 2, 4, 8):
         raise CorruptDataError(f"compressed frame with unknown method ({quant}, {coder}, {elem})")
     lossless = quant == QUANT_NONE
-    if original_len > MAX_VALUE_BYTES or stage_len > original_len or (lossless and stage_len != original_len):
+    if original_len > min(limit, MAX_VALUE_BYTES):
+        raise CorruptDataError(f"compressed frame declares {original_len} bytes; its key holds at most {limit}")
+    if stage_len > original_len or (lossless and stage_len != original_len):
         raise CorruptDataError(f"compressed frame declares out-of-bound lengths ({original_len}, {stage_len})")
     if len(view) != HEADER_SIZE + payload_len:
         raise CorruptDataError(f"compressed frame is {len(view)} bytes, its header says {HEADER_SIZE + payload_len}")

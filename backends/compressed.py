@@ -28,6 +28,8 @@ from agentstate.errors import AgentStateError, InvalidArgumentError
 log = logging.getLogger("agentstate.backends.compressed")
 T = TypeVar("T")
 Value = bytes | bytearray | memoryview
+UNBOUNDED = compress.MAX_VALUE_BYTES
+"""The bound of a frame's declared value when the caller names none (plain `read`)."""
 
 
 async def _settle(jobs: dict[int, Future[T]]) -> dict[int, T]:
@@ -90,9 +92,11 @@ class CompressedBackend(Backend):
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def _decode(self, key: str, frame: bytes, out: memoryview | None) -> memoryview | None:
+    def _decode(
+        self, key: str, frame: bytes, out: memoryview | None, limit: int = UNBOUNDED
+    ) -> memoryview | None:
         try:
-            return compress.decompress(frame, key, out)
+            return compress.decompress(frame, key, out, limit=limit)
         except Exception as exc:  # CorruptDataError, or a decoder's own error on bytes it cannot take
             self._counts["corrupt"] += 1
             log.warning("tier %s: compressed value of %s is unusable (%s); treating it as a miss", self.name, key, exc)
@@ -106,10 +110,22 @@ class CompressedBackend(Backend):
         return obj if isinstance(obj, bytes) and len(obj) == view.nbytes else bytes(view)
 
     async def read(self, keys: Sequence[str], sink: ReadSink) -> list[bool]:
+        return await self._read(keys, sink, None)
+
+    async def read_bounded(self, keys: Sequence[str], sink: ReadSink, limits: Sequence[int]) -> list[bool]:
+        """`read`, where no key's value is longer than `limits[i]`: the inner tier is asked under the
+        same bound (a stored frame is never longer than its value: `compress` keeps the value itself
+        when a frame would not be smaller), and a frame declaring a longer value is refused before its
+        decoder runs, so a forged frame costs at most the chunk's own size per decode in flight."""
+        if len(limits) != len(keys):
+            raise InvalidArgumentError("keys and limits differ in length")
+        return await self._read(keys, sink, limits)
+
+    async def _read(self, keys: Sequence[str], sink: ReadSink, limits: Sequence[int] | None) -> list[bool]:
         jobs: dict[int, Future[bool]] = {}
 
         def deliver(i: int, frame: bytes) -> bool:
-            out = self._decode(keys[i], frame, None)
+            out = self._decode(keys[i], frame, None, UNBOUNDED if limits is None else limits[i])
             # A frame that does not decode is handed on as it is: no chunk check passes it (its magic
             # is not a chunk's), so the layer above sees damage, counts it, drops the copy, and
             # verify reports it as corrupt instead of missing.
@@ -123,7 +139,10 @@ class CompressedBackend(Backend):
                 sink(i, view)
 
         try:
-            found = await self.inner.read(keys, inner_sink)
+            if limits is None:
+                found = await self.inner.read(keys, inner_sink)
+            else:
+                found = await self.inner.read_bounded(keys, inner_sink, limits)
         finally:
             done = await _settle(jobs)
         return [hit and done.get(i, True) for i, hit in enumerate(found)]
