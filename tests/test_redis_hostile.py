@@ -299,3 +299,26 @@ async def test_each_hostile_reply_is_a_bounded_miss_and_the_pool_recovers(
             whole = await asyncio.wait_for(again.resume("victim"), 60)
         assert whole.restored_tokens == TOKENS and bits_equal(whole.kv, kv)
         assert (await reader.session("victim")).version == 1
+
+
+@pytest.mark.parametrize("kind", ["512 MiB header then nothing", "512 MiB header then slow bytes"])
+async def test_an_unbounded_read_stages_only_the_bytes_that_arrive(kind: str, proxy: HostileProxy) -> None:
+    """`read` without bounds (the operator tools' raw reads) cannot refuse a length up front: its
+    staging grows with the bytes that arrive, so a declared 512 MiB that never comes costs a MiB
+    per connection, and the 1 s timeout turns it into a miss."""
+    b = RedisBackend(proxy.url, prefix="unbounded:", timeout_s=1.0, connections=4)
+    try:
+        await b.put([f"c/{i}" for i in range(8)], [bytes([i]) * 1000 for i in range(8)])
+        proxy.answer = HOSTILE[kind]
+        got: list[int] = []
+        with PeakRss() as rss:
+            found = await asyncio.wait_for(b.read([f"c/{i}" for i in range(8)], lambda i, v: got.append(i)), 60)
+        assert found == [False] * 8 and got == [] and b.counters()["errors"] >= 1
+        assert rss.growth < 64 * MiB, f"{kind}: the process grew by {rss.growth / MiB:.0f} MiB"
+        assert all(c.closed is not None for pool in b._wire.pools.values() for c in pool.conns)  # type: ignore[union-attr]
+        proxy.answer = None
+        seen: dict[int, bytes] = {}
+        assert await b.read(["c/3"], lambda i, v: seen.__setitem__(i, bytes(v))) == [True] and seen == {0: b"\3" * 1000}
+    finally:
+        await b.delete([f"c/{i}" for i in range(8)])
+        await b.close()
