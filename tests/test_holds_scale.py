@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from agentstate import StateStore
@@ -115,10 +116,30 @@ op = st.one_of(
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op, max_size=60), share=st.sampled_from([0.25, 0.4, 0.5, 1.0]), capacity=st.sampled_from([8, 20]))
-def test_the_incremental_plan_equals_the_brute_force_one(ops: list[tuple[Any, ...]], share: float, capacity: int) -> None:
+@given(
+    ops=st.lists(op, max_size=80), share=st.sampled_from([0.25, 0.4, 0.5, 1.0]), capacity=st.sampled_from([8, 20]),
+    block=st.sampled_from([1, 2, 64]),
+)  # fmt: skip
+@example(  # past the first key that does not fit, a later block's smallest key fits exactly
+    ops=[("enter", "k0", 3), ("enter", "k1", 5), ("enter", "k2", 8), ("enter", "k3", 2),
+         ("set", "n0", "a", ["k0", "k1", "k2", "k3"], 100.0, 1.0)],
+    share=0.25, capacity=20, block=1,
+)  # fmt: skip
+def test_the_incremental_plan_equals_the_brute_force_one(
+    ops: list[tuple[Any, ...]], share: float, capacity: int, block: int
+) -> None:
     """Random holds (shared keys, several owners, ties, expiry) over a tier whose keys come and go:
-    plan, held bytes and eviction order are exactly the reference's, after every step."""
+    plan, held bytes and eviction order are exactly the reference's, after every step (with blocks
+    of 1 and 2 keys too, so that blocks split, empty and are skipped as a tier's worth would)."""
+    default = holds_module._Ranked.BLOCK
+    holds_module._Ranked.BLOCK = block
+    try:
+        _replay(ops, share, capacity)
+    finally:
+        holds_module._Ranked.BLOCK = default
+
+
+def _replay(ops: list[tuple[Any, ...]], share: float, capacity: int) -> None:
     now = [0.0]
     holds, ref = Holds(share=share, clock=lambda: now[0]), Reference(share, lambda: now[0])
     lru: dict[str, int] = {}
@@ -150,6 +171,24 @@ def test_the_incremental_plan_equals_the_brute_force_one(ops: list[tuple[Any, ..
         assert {o: set(holds.owned(o)) for o in OWNERS} == {
             o: {n for n, h in ref.by_name.items() if h.owner == o} for o in OWNERS
         }
+
+
+def test_replaced_holds_leave_bounded_memory() -> None:
+    """A connector replaces each agent's hold at every turn: the dead entries that leaves in the
+    per-key heaps and the heap of ends are compacted, so memory follows the live holds."""
+    holds = Holds(share=0.5)
+    lru = {"shared": 4, "mine": 4}
+    holds.track(lru)
+    for turn in range(2_000):
+        holds.set(f"agent-{turn % 10}", "t", ["shared", f"own-{turn % 10}"], for_s=900, back_in_s=turn % 13)
+    assert len(holds) == 10
+    assert len(holds._keys["shared"].heap) <= 2 * 10 + 9 and len(holds._ends) <= 2 * 10 + 65
+    ref = Reference(0.5, time.monotonic)
+    for name, hold in holds._by_name.items():
+        ref.by_name[name] = _RefHold(hold.owner, hold.keys, hold.until, hold.back_at)
+        for key in hold.keys:
+            ref.by_key.setdefault(key, set()).add(name)
+    assert dict(holds.plan(lru, 8)) == ref.plan(lru, 8) and holds.held_bytes("t", lru, 8) == 4
 
 
 # -- the cost of a hint: lines executed in holds.py ---------------------------------------------

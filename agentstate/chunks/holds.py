@@ -36,9 +36,10 @@ nothing here is recomputed from all holds:
   byte sums and minima, so filling its share skips whole blocks and is cached until that owner's
   keys in the tier change; `plan` answers with a live view over these, `held_bytes` adds sums.
 
-A hint costs O(its keys x log) plus the refill of one owner's share, which depends on the tier's
-size, never on how many holds are live. `examined` counts the entries these structures touch
-(heap entries pushed or popped, blocks and ranked keys visited): a number tests can compare.
+A hint costs O(its keys x log holds) in heap operations plus the refill of one owner's share,
+which depends on the tier's size (its blocks, and the keys of the blocks where the share runs
+out), never on how many holds are live. Memory: one heap entry per (hold, key) and per hold, dead
+ones included until compacted (at most about twice the live ones).
 """
 
 from __future__ import annotations
@@ -140,28 +141,26 @@ class _Ranked:
         self.lasts[i] = block[-1][:2]
         self.mins[i] = min(e[3] for e in block)
 
-    def fill(self, cap: float) -> tuple[tuple[Rank | None, frozenset[str], int], int]:
-        """The share's greedy fill: (the first rank of the prefix that no longer fits, or None when
-        all fit; the keys past it that still fit; the bytes counted), and the entries visited."""
-        spent, seen = 0, 0
+    def fill(self, cap: float) -> tuple[Rank | None, frozenset[str], int]:
+        """The share's greedy fill: the first rank of the prefix that no longer fits (None when all
+        fit), the keys past it that still fit, the bytes counted."""
+        spent = 0
         bound: Rank | None = None
         extras: set[str] = set()
         for i, block in enumerate(self.blocks):
-            seen += 1
             if bound is None and spent + self.sums[i] <= cap:
                 spent += self.sums[i]
                 continue
             if bound is not None and self.mins[i] > cap - spent:
                 continue
             for back, seq, key, size in block:
-                seen += 1
                 if spent + size <= cap:
                     spent += size
                     if bound is not None:
                         extras.add(key)
                 elif bound is None:
                     bound = (back, seq)
-        return (bound, frozenset(extras), spent), seen
+        return bound, frozenset(extras), spent
 
 
 @dataclass
@@ -184,15 +183,15 @@ class _Tier:
         self.shadow: dict[str, set[str]] = {}  # owner -> keys it holds here that count for another owner
         self.fills: dict[str, tuple[float, tuple[Rank | None, frozenset[str], int]]] = {}
 
-    def update(self, key: str, k: _Key | None) -> int:
-        """Bring `key`'s entry in line with its holds and the tier; the entries touched."""
+    def update(self, key: str, k: _Key | None) -> None:
+        """Bring `key`'s entry in line with its holds and the tier."""
         old = self.members.get(key)
         new = None
         if k is not None and key in self.lru:
             back, owner = k.best
             new = _Member(owner, (back, k.seq), self.lru[key], tuple(o for o in k.owners if o != owner))
         if old == new:
-            return 0
+            return
         if old is not None:
             self.ranked[old.owner].remove(old.rank, old.size)
             if not self.ranked[old.owner].blocks:
@@ -209,7 +208,6 @@ class _Tier:
             for o in new.others:
                 self.shadow.setdefault(o, set()).add(key)
             self.members[key] = new
-        return 1 + (len(old.others) if old else 0) + (len(new.others) if new else 0)
 
 
 class Holds:
@@ -218,8 +216,6 @@ class Holds:
     def __init__(self, share: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.share = share
         self.clock = clock
-        self.examined = 0
-        """entries of the structures below touched so far (see the module docstring: Cost)"""
         self._by_name: dict[str, Hold] = {}
         self._ids: dict[str, int] = {}
         self._by_owner: dict[str, dict[str, Hold]] = {}
@@ -245,8 +241,10 @@ class Holds:
         self._by_name[name] = hold
         self._ids[name] = hid
         self._by_owner.setdefault(owner, {})[name] = hold
+        if len(self._ends) > 2 * len(self._by_name) + 64:  # replaced holds: drop their ends before they come
+            self._ends = [e for e in self._ends if self._ids.get(e[2]) == e[1]]
+            heapq.heapify(self._ends)
         heapq.heappush(self._ends, (hold.until, hid, name))
-        self.examined += 1
         for key in hold.keys:
             k = self._keys.get(key)
             if k is None:
@@ -255,7 +253,6 @@ class Holds:
             k.live += 1
             k.owners[owner] = k.owners.get(owner, 0) + 1
             k.best = min(k.best, (hold.back_at, owner)) if k.live > 1 else (hold.back_at, owner)
-            self.examined += 1
             self._tier_update(key, k)
         return hold
 
@@ -283,12 +280,10 @@ class Holds:
             if not k.owners[hold.owner]:
                 del k.owners[hold.owner]
             if len(k.heap) > 2 * k.live + 8:  # mostly dead: keep memory in step with the live holds
-                self.examined += len(k.heap)
                 k.heap = [e for e in k.heap if self._ids.get(e[3]) == e[2]]
                 heapq.heapify(k.heap)
             while self._ids.get(k.heap[0][3]) != k.heap[0][2]:
                 heapq.heappop(k.heap)
-                self.examined += 1
             k.best = k.heap[0][:2]
             self._tier_update(key, k)
         return hold
@@ -303,7 +298,6 @@ class Holds:
         now = self.clock()
         while self._ends and self._ends[0][0] <= now:
             _, hid, name = heapq.heappop(self._ends)
-            self.examined += 1
             if self._ids.get(name) == hid:
                 self.drop(name)
 
@@ -328,11 +322,11 @@ class Holds:
         tier = self._tiers.get(id(lru))
         if tier is not None and tier.lru is lru:
             for key in keys:
-                self.examined += tier.update(key, self._keys.get(key))
+                tier.update(key, self._keys.get(key))
 
     def _tier_update(self, key: str, k: _Key | None) -> None:
         for tier in self._tiers.values():
-            self.examined += tier.update(key, k)
+            tier.update(key, k)
 
     def _tracked(self, sizes: Mapping[str, int]) -> _Tier | None:
         tier = self._tiers.get(id(sizes))
@@ -344,9 +338,7 @@ class Holds:
     def _fill(self, tier: _Tier, owner: str, cap: float) -> tuple[Rank | None, frozenset[str], int]:
         cached = tier.fills.get(owner)
         if cached is None or cached[0] != cap:
-            result, seen = tier.ranked[owner].fill(cap)
-            self.examined += seen
-            cached = tier.fills[owner] = (cap, result)
+            cached = tier.fills[owner] = (cap, tier.ranked[owner].fill(cap))
         return cached[1]
 
     def _counted(self, tier: _Tier, key: str, cap: float | None) -> float | None:
@@ -404,7 +396,6 @@ class Holds:
         if owner in tier.ranked:
             total = tier.ranked[owner].total if cap is None else self._fill(tier, owner, cap)[2]
         for key in tier.shadow.get(owner, ()):
-            self.examined += 1
             if self._counted(tier, key, cap) is not None:
                 total += tier.members[key].size
         return total
