@@ -20,8 +20,8 @@ rather than store bytes it cannot read back.
 The lookup channel. vLLM runs its scheduler (EngineCore) and its workers in different processes
 on CPU, and a data directory has one writer. The worker owns the store; the scheduler sends it
 the chunk keys of a prompt over a Unix socket (abstract namespace, named after the data
-directory) and gets back how many leading chunks are stored. A scheduler that cannot reach the
-worker treats the prompt as a miss.
+directory, the rank and the engine: see `socket_name`) and gets back how many leading chunks are
+stored. A scheduler that cannot reach its own worker treats the prompt as a miss.
 """
 
 from __future__ import annotations
@@ -240,9 +240,13 @@ _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 64 << 20
 
 
-def socket_name(path: str, rank: int) -> str:
-    """The abstract Unix socket of the worker that owns data directory `path` (no file, gone with the process)."""
-    digest = hashlib.blake2b(f"{path}\0{rank}".encode(), digest_size=12).hexdigest()
+def socket_name(path: str, rank: int, engine: str = "") -> str:
+    """The abstract Unix socket of the worker of engine `engine` that owns data directory `path` (no
+    file, gone with the process). Only a worker that opened the store (and so holds the directory's
+    lock) binds it, and the engine's token is in the name: another engine's scheduler, even one on the
+    same directory, never reaches it, and a scheduler whose own worker could not open the store finds
+    no socket at all (a miss) rather than the worker of an older engine still holding the directory."""
+    digest = hashlib.blake2b(f"{path}\0{rank}\0{engine}".encode(), digest_size=12).hexdigest()
     return f"\0agentstate-vllm-{digest}"
 
 
@@ -254,9 +258,15 @@ def _pack(obj: Any) -> bytes:
 class LookupServer:
     """Answers the scheduler's questions on the worker's event loop: `handler(request) -> reply`."""
 
-    def __init__(self, name: str, handler: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
+    def __init__(
+        self,
+        name: str,
+        handler: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
+        stamp: dict[str, Any] | None = None,
+    ) -> None:
         self.name = name
         self.handler = handler
+        self.stamp = dict(stamp or {})  # added to every reply: who answers (the client checks it)
         self.server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task[None]] = set()
 
@@ -277,7 +287,7 @@ class LookupServer:
                     reply = await self.handler(request)
                 except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss, the channel stays up
                     reply = {"error": f"{type(exc).__name__}: {exc}"}
-                writer.write(_pack(reply))
+                writer.write(_pack({**reply, **self.stamp}))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):
             pass
