@@ -10,6 +10,7 @@ first. The full-disk case runs on a small tmpfs (root only; skipped elsewhere, f
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -25,7 +26,12 @@ import torch
 import xxhash
 
 from agentstate import ModelSpec, StateStore, StoreConfig
-from agentstate.errors import AgentStateError, CapacityError, CorruptDataError, SpecMismatchError
+from agentstate.catalog import Catalog
+from agentstate.catalog.lmdb import LMDBCatalog
+from agentstate.chunks.store import ChunkStore
+from agentstate.errors import AgentStateError, CapacityError, ConflictError, CorruptDataError, SpecMismatchError
+from agentstate.keys import chunk_keys
+from agentstate.manifest import SessionManifest
 from agentstate.ops.admin import record_spec
 from agentstate.ops.archive import export_sessions, import_sessions, new_directory_undone
 from agentstate.sessions import MAX_STATE_DEPTH
@@ -223,37 +229,116 @@ async def test_bad_archives_change_nothing(tmp_path: Path) -> None:
         assert (await store.session("s0")).version == 3
 
 
-@pytest.mark.parametrize("when", ["before", "after"], ids=["refused", "committed-then-failed"])
+@pytest.mark.parametrize("when", ["chunks", "commit"])
 async def test_a_failure_while_writing_is_undone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
-    """Any error from a snapshot (here injected on the last session, before it writes or after its
-    commit landed) undoes the sessions written so far: new ones deleted, replaced ones restored."""
+    """Any error while the import writes (here injected into the last session's chunk write, or
+    into the catalog commit of every session) leaves no session and no chunk of it: a replaced
+    session keeps its version and its chunks."""
     target = tmp_path / "target"
     await write_target(target)
     before = await observe(target)
     archive = await write_archive(tmp_path / "good.tar")
-    real = StateStore.snapshot
-    calls: list[str] = []
+    calls: list[int] = []
 
-    async def failing(self: StateStore, session_id: str, *args: Any, **kwargs: Any) -> Any:
-        calls.append(session_id)
-        if session_id != "z":
-            return await real(self, session_id, *args, **kwargs)
-        if when == "after":
-            await real(self, session_id, *args, **kwargs)
-        raise CapacityError("injected: the disk is full")
+    def failing(real: Callable[..., Any], fail_at: int) -> Callable[..., Any]:
+        async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == fail_at:
+                raise CapacityError("injected: the disk is full")
+            return await real(self, *args, **kwargs)
 
-    monkeypatch.setattr(StateStore, "snapshot", failing)
+        return wrapped
+
+    def inject() -> None:
+        calls.clear()
+        if when == "chunks":  # n0, n1, n2, s0, z: each writes chunks or a tail
+            monkeypatch.setattr(ChunkStore, "write", failing(ChunkStore.write, 5))
+        else:
+            monkeypatch.setattr(LMDBCatalog, "commit_all", failing(LMDBCatalog.commit_all, 1))
+
+    inject()
     with pytest.raises(CapacityError):
         await import_into(target, archive)
-    assert calls == ["n0", "n1", "n2", "s0", "z"]  # s0 was replaced, then put back
-    monkeypatch.setattr(StateStore, "snapshot", real)
-    assert_same(before, await observe(target), f"failure {when}")
+    assert len(calls) == (5 if when == "chunks" else 1)
+    monkeypatch.undo()
+    assert_same(before, await observe(target), f"failure at {when}")
 
     fresh = tmp_path / "fresh"
-    monkeypatch.setattr(StateStore, "snapshot", failing)
+    inject()
     with pytest.raises(CapacityError):
         await import_into(fresh, archive)
     assert not fresh.exists()
+
+
+async def test_a_cancellation_after_the_commit_landed_leaves_the_whole_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The catalog commits on its own thread: a cancellation that arrives once the transaction
+    is under way cannot stop it. Then every session stands, whole and bit-exact, as the same
+    import not cancelled leaves them: all of the import, never a part."""
+    target = tmp_path / "target"
+    await write_target(target)
+    archive = await write_archive(tmp_path / "good.tar")
+    real = LMDBCatalog.commit_all
+
+    async def landed_then_cancelled(self: LMDBCatalog, *args: Any, **kwargs: Any) -> Any:
+        await real(self, *args, **kwargs)
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(LMDBCatalog, "commit_all", landed_then_cancelled)
+    with pytest.raises(asyncio.CancelledError):
+        await import_into(target, archive)
+    monkeypatch.undo()
+    whole = tmp_path / "whole"  # the same import, not cancelled
+    await write_target(whole)
+    await import_into(whole, archive)
+    cancelled, imported = await observe(target), await observe(whole)
+    assert set(cancelled["manifests"]) == set(imported["manifests"])
+    assert {sid for _, sid in cancelled["manifests"]} == {"s0", "s1", "b0", "n0", "n1", "n2", "z"}
+    assert cancelled["manifests"][("default", "s0")]["version"] == 3
+    for name, kv in imported["kv"].items():
+        assert bits_equal(cancelled["kv"][name], kv), name
+        assert cancelled["manifests"][name]["tokens"] == imported["manifests"][name]["tokens"]
+
+
+def manifest(session_id: str, version: int, seed: int) -> SessionManifest:
+    tokens = random_tokens(2 * CHUNK, seed=seed)
+    keys = chunk_keys(tokens, namespace="default", fingerprint=SPEC4.fingerprint, chunk_tokens=CHUNK)
+    return SessionManifest(session_id=session_id, tenant="default", fingerprint=SPEC4.fingerprint, chunk_tokens=CHUNK,
+                           tokens=tokens, chunk_keys=keys, version=version, created_at=1.0, updated_at=1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "redis"])
+async def test_commit_all_commits_every_session_or_none(tmp_path: Path, request: pytest.FixtureRequest, kind: str) -> None:
+    """The import's commit: one change that conflicts (here the last) and none lands, on the local
+    catalog (one transaction) and on a shared one (the landed ones put back); then all land."""
+    if kind == "lmdb":
+        catalog: Catalog = LMDBCatalog(tmp_path / "catalog")
+    else:
+        from agentstate.catalog.redis import RedisCatalog
+
+        catalog = RedisCatalog(request.getfixturevalue("redis_server").url, prefix=f"commit-all-{tmp_path.name}:")
+    try:
+        a1, b1 = manifest("a", 1, seed=1), manifest("b", 1, seed=2)
+        await catalog.commit(a1, None)
+        await catalog.commit(b1, None)
+        a2, c1, b_again = manifest("a", 2, seed=3), manifest("c", 1, seed=4), manifest("b", 1, seed=5)
+        with pytest.raises(ConflictError):
+            await catalog.commit_all([(a2, a1), (c1, None), (b_again, None)])  # b exists: the last conflicts
+        assert await catalog.get("default", "a") == a1
+        assert await catalog.get("default", "b") == b1
+        assert await catalog.get("default", "c") is None
+        if kind == "lmdb":  # counts as before: a1's and b1's keys once, the others none
+            assert await catalog.refcounts([*a1.chunk_keys, *b1.chunk_keys]) == [1] * 4
+            assert await catalog.refcounts([*a2.chunk_keys, *c1.chunk_keys]) == [0] * 4
+
+        done = await catalog.commit_all([(a2, a1), (c1, None)])
+        assert await catalog.get("default", "a") == a2
+        assert await catalog.get("default", "c") == c1
+        if kind == "lmdb":  # what a2 replaced lost its last reference
+            assert [sorted(c.zeroed) for c in done] == [sorted(a1.chunk_keys), []]
+    finally:
+        await catalog.close()
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ and sweeps). Sessions (`StateStore`) talk to this interface only.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -53,6 +54,32 @@ class Catalog(ABC):
     async def commit(self, manifest: SessionManifest, expected_version: int | None) -> Committed:
         """Write `manifest` if the stored version is `expected_version` (None: must not exist),
         else ConflictError."""
+
+    async def commit_all(self, changes: Sequence[tuple[SessionManifest, SessionManifest | None]]) -> list[Committed]:
+        """Write each `(manifest, prev)`: `manifest` if the stored one is `prev` by version (None:
+        must not exist), else ConflictError; one Committed per change, in order.
+
+        What an import commits at once. Here: one `commit` after another, and on any failure the
+        ones that landed are put back (`prev` committed again over them, or the session removed),
+        best effort, before the error is raised; what they replaced is not collected here (the
+        caller collects on success only). `LMDBCatalog` overrides it with one transaction: all
+        or nothing, whatever fails (a full disk included).
+        """
+        done: list[tuple[SessionManifest, SessionManifest | None]] = []
+        out: list[Committed] = []
+        try:
+            for manifest, prev in changes:
+                out.append(await self.commit(manifest, prev.version if prev else None))
+                done.append((manifest, prev))
+        except BaseException:
+            for manifest, prev in reversed(done):
+                with contextlib.suppress(Exception):  # the first error is the one to report
+                    if prev is None:
+                        await self.remove(manifest.tenant, manifest.session_id)
+                    else:
+                        await self.commit(prev, manifest.version)
+            raise
+        return out
 
     @abstractmethod
     async def remove(self, tenant: str, session_id: str) -> tuple[SessionManifest | None, list[str]]:

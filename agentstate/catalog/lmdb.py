@@ -200,7 +200,17 @@ class LMDBCatalog(Catalog):
 
     async def commit(self, manifest: SessionManifest, expected_version: int | None) -> Committed:
         """Write `manifest` if the stored version is `expected_version` (None: must not exist)."""
+        return await self._write(self._putter(manifest, expected_version))
 
+    async def commit_all(self, changes: Sequence[tuple[SessionManifest, SessionManifest | None]]) -> list[Committed]:
+        """Write every `(manifest, prev)` in one synced transaction (each `manifest` if the stored
+        version is `prev`'s, None: must not exist): all of them or, on a conflict, a full disk or
+        a crash, none. An import commits this way, so a refused one leaves no session behind."""
+        puts = [self._putter(m, p.version if p else None) for m, p in changes]
+        return await self._write(lambda txn: [put(txn) for put in puts]) if puts else []
+
+    def _putter(self, manifest: SessionManifest, expected_version: int | None) -> Callable[[lmdb.Transaction], Committed]:
+        """One commit of `manifest` as the body of a write transaction (the manifest encoded once, here)."""
         key = self._skey(manifest.tenant, manifest.session_id)
         body = encode_manifest(manifest)
 
@@ -217,7 +227,7 @@ class LMDBCatalog(Catalog):
             zeroed = self._add_refs(txn, named_keys(old) if old else [], -1)
             return Committed(zeroed, None)
 
-        return await self._write(run)
+        return run
 
     async def remove(self, tenant: str, session_id: str) -> tuple[SessionManifest | None, list[str]]:
         def run(txn: lmdb.Transaction) -> tuple[SessionManifest | None, list[str]]:

@@ -12,10 +12,10 @@ An archive is a plain, uncompressed tar (inspectable with `tar tvf`) holding
 Nothing in an archive is ever unpickled or extracted to the filesystem: members are read as bytes
 and checked by the codec. Import checks the whole archive (member checksums, every chunk decoded
 under the target's spec, token counts, ids, conflicts) before it writes anything, then stores each
-session with `snapshot`, so keys are rebuilt for the target (another tenant, another chunk size)
+session as `snapshot` does, so keys are rebuilt for the target (another tenant, another chunk size)
 and shared chunks are deduplicated there as anywhere else.
 
-Import is all-or-nothing, in two steps:
+Import is all-or-nothing, in three steps:
 
 1. Check. Every session is checked exactly as `snapshot` would check it, with snapshot's own
    helpers (`agentstate.sessions`: ids, `token_array` (ids >= 0 and < 2**63), `_json_object`
@@ -23,24 +23,31 @@ Import is all-or-nothing, in two steps:
    adds (member checksums, each chunk decoded under the target's spec and token count, duplicates,
    sessions present in the target unless `force`). A session snapshot would refuse is a
    CorruptDataError here, before anything is written.
-2. Write, with undo. Sessions are stored one by one with `snapshot(expected_version=<the version
-   the check saw>)`, while every chunk and tail of each session it will replace stays pinned, so
-   the replacing snapshots leave the old versions' data in place. If anything fails (a full disk's
-   CapacityError, an outage, a cancellation), every session whose manifest is no longer what the
-   check saw is put back: a session the import created is deleted (`delete`: its chunks are
-   collected by their counts like any other), a replaced one gets its previous manifest back,
-   committed as is (same version, same chunks and tail, still pinned so still stored) and the
-   replacement's chunks are collected. Then the error is raised. On success the old versions'
-   chunks that nothing names any more are collected. The target is left as it was: the same
-   sessions and versions, the same keys in every tier.
+2. Stage. Under the sessions' locks, with every key the import names pinned (and every key of
+   the versions it replaces), each session's chunks that the record tier lacks and its tail are
+   written durably, as `snapshot` writes them. Nothing references them yet. Before each session,
+   room for undoing it is held on the disk (`agentstate.ops.reserve`: an unnamed, preallocated
+   file per filesystem of the data directory and its local tiers), so a disk that fills refuses
+   the write while the undo's room is still there.
+3. Commit. Every manifest in one catalog transaction (`Catalog.commit_all`), each a
+   compare-and-set on the version the check saw. The local catalog (LMDB) commits all or none,
+   whatever fails, a full disk or a crash included; then the room is given back and the replaced
+   versions' chunks that nothing names any more are collected.
 
-What this does not cover: a crash (SIGKILL, power loss) in step 2 leaves the sessions committed
-so far, each whole (run the import again with `force`); with a shared (Redis) catalog a replacing
-commit deletes the old tail at once, so a replaced session cannot be restored whole there, and
-an import into a shared catalog that fails may leave replaced sessions missing their tail (their
-chunks still restore). The CLI's `import` also undoes a new data directory: when `--path` held no
-data directory before (no catalog, no `spec.json`), a failed import removes it (or, if the
-directory existed, what the import created in it), so no data without a `spec.json` is left.
+If anything fails before the commit lands (a full disk's CapacityError, a session changed
+meanwhile, an outage, a cancellation), the held room is given back and the chunks this import
+wrote are collected from every tier (a chunk something else names by then stays), so the target
+is left as it was: the same sessions and versions, the same keys in every tier. A crash (SIGKILL,
+power loss) before the commit leaves no session and no held room; the staged chunks are
+unreferenced, and `gc` removes them.
+
+What this does not cover: a shared (Redis) catalog has no multi-session transaction, so there
+`commit_all` commits one session after another and, if one fails, puts back the ones committed
+(best effort, see `Catalog.commit_all`); a crash meanwhile leaves those committed so far, and
+staged chunks are left to gc's mark and sweep. The CLI's `import` also undoes a new data
+directory: when `--path` held no data directory before (no catalog, no `spec.json`), a failed
+import removes it (or, if the directory existed, what the import created in it), so no data
+without a `spec.json` is left.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ import shutil
 import tarfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,6 +81,7 @@ from agentstate.errors import (
 from agentstate.keys import tail_key, token_array, validate_id
 from agentstate.manifest import SessionManifest, now
 from agentstate.ops.admin import QUIET, Progress
+from agentstate.ops.reserve import Reserve
 from agentstate.sessions import _check_options, _check_seconds, _json_object, _manifest_or_invalid
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
@@ -233,15 +241,18 @@ async def import_sessions(
 ) -> ImportReport:
     """Store every session of the archive `source` in `store`: in its recorded tenant, or all in
     `tenant` when given. All or nothing (see the module doc): nothing is written until the whole
-    archive checks out, and a failure while writing puts the target back as it was.
+    archive checks out, every session commits in one catalog transaction, and a failure before
+    that commit lands removes every chunk the import wrote.
 
     - SpecMismatchError: the archive holds KV of another model spec than the store serves, or a
       session to replace was stored for another spec (`force=True` replaces it);
     - CorruptDataError: not an agentstate archive, a member damaged, missing or not a valid chunk
       of the spec, token counts that disagree with the chunks, a session `snapshot` would refuse
       (token ids < 0 or >= 2**63, state that is not JSON or nested too deep, bad ids or options);
-    - ConflictError: a session already exists in the target (`force=True` overwrites it);
-    - whatever stopped the writing (CapacityError on a full disk, ...), after the undo.
+    - ConflictError: a session already exists in the target (`force=True` overwrites it), or one
+      changed while the import wrote;
+    - CapacityError: a disk filled (the undo's room included), after the undo;
+    - whatever else stopped the writing (an outage, a cancellation), after the undo.
     """
     source = Path(source)
     with _open(source) as tar:
@@ -254,20 +265,21 @@ async def import_sessions(
         targets = [(tenant or s.tenant, s) for s in index.sessions]
         plans = await _check(store, tar, index, targets, force=force, progress=progress)
         progress.start("import", sum(len(s.tokens) for s in index.sessions))
-        kept = [k for p in plans if p.prev is not None for k in named_keys(p.prev)]
-        with store.chunks.pinned(kept):  # replaced versions stay stored until the import stands
-            try:
-                for p in plans:
-                    await _write(store, tar, index, p, force=force)
-                    progress.advance(len(p.session.tokens))
-            except BaseException as exc:
-                await _undo(store, plans, exc)
-                raise
-        await store.chunks.collect(kept, store.catalog.refcounts)
+        async with contextlib.AsyncExitStack() as locks:  # writers of these sessions wait (sorted: no deadlock)
+            for p in sorted(plans, key=lambda p: (p.owner, p.session.session_id)):
+                await locks.enter_async_context(store.for_tenant(p.owner)._session_lock(p.session.session_id))
+            await _store_all(store, tar, index, plans, progress)
     return ImportReport(
         archive=str(source), sessions=len(plans), tokens=sum(len(p.session.tokens) for p in plans),
         replaced=sum(p.prev is not None and not p.prev.expired() for p in plans),
     )  # fmt: skip
+
+
+_UNDO_BASE_BYTES = 1 << 20
+"""Room the undo needs whatever it deletes: LMDB's transaction, its free list, slack."""
+_UNDO_KEY_BYTES = 8 << 10
+"""Room the undo needs per chunk it deletes: LMDB copies the leaf page naming it (4 KiB) and
+shares of the branch pages above; the page numbers it frees go into LMDB's free list."""
 
 
 @dataclass
@@ -277,46 +289,94 @@ class _Plan:
     owner: str
     session: ArchivedSession
     prev: SessionManifest | None
-    """the target's manifest (expired ones too) before the import: put back if the import fails"""
+    """the target's manifest (expired ones too) when checked: what the commit expects to replace"""
+    manifest: SessionManifest
+    """the manifest to commit (its keys and tail for the target's tenant and chunk size)"""
+    usage: dict[str, int] = field(default_factory=dict)
+    """what `snapshot` would count for it"""
 
 
-async def _write(store: StateStore, tar: _Archive, index: ArchiveIndex, p: _Plan, *, force: bool) -> None:
-    s = p.session
+async def _store_all(store: StateStore, tar: _Archive, index: ArchiveIndex, plans: list[_Plan], progress: Progress) -> None:
+    """Stage every session's chunks (pinned, unreferenced), then commit every manifest in one
+    catalog transaction. Until that commit nothing names what was staged; if anything fails before
+    it lands, the room held for the undo is given back and the chunks this import wrote are
+    collected (a chunk something else names by then stays)."""
+    named = [k for p in plans for k in named_keys(p.manifest)]
+    kept = [k for p in plans if p.prev is not None for k in named_keys(p.prev)]
+    written: list[str] = []
+    with Reserve(_local_dirs(store)) as reserve:  # CapacityError here: nothing written yet
+        try:
+            with store.chunks.pinned([*named, *kept]):  # replaced versions stay stored until the commit stands
+                reserve.grow(_UNDO_BASE_BYTES)
+                for p in plans:
+                    await _stage(store, tar, index, p, reserve, written)
+                    progress.advance(len(p.session.tokens))
+                stamp = now()
+                manifests = [p.manifest.model_copy(update={"updated_at": stamp}) for p in plans]
+                committed = await store.catalog.commit_all([(m, p.prev) for m, p in zip(manifests, plans)])
+        except BaseException as exc:
+            reserve.release()  # the room the undo's deletes need
+            await _undo(store, written, exc)
+            raise
+    for p, m in zip(plans, manifests):
+        scoped = store.for_tenant(p.owner)
+        scoped.usage_log.add(p.owner, m.session_id, p.usage)
+        scoped._retain(m)
+    old_tails = [c.old_tail for c, m in zip(committed, manifests) if c.old_tail and c.old_tail != m.tail_key]
+    try:  # the import stands: what it replaced goes now, or (a full disk) to the next gc
+        await store.chunks.collect([k for c in committed for k in c.zeroed], store.catalog.refcounts)
+        if old_tails:
+            await store.chunks.delete(old_tails)
+    except AgentStateError as exc:
+        log.warning("import committed; the chunks of the versions it replaced are left for gc: %s", exc)
+
+
+async def _stage(
+    store: StateStore, tar: _Archive, index: ArchiveIndex, p: _Plan, reserve: Reserve, written: list[str]
+) -> None:
+    """Write the chunks of one session the record tier lacks, and its tail, as `snapshot` does
+    (keys pinned by the caller); `written` gets their keys before they are written."""
+    s, m = p.session, p.manifest
     kv = torch.empty(store.spec.kv_shape(len(s.tokens)), dtype=store.spec.torch_dtype)
     for i, name in enumerate([*s.chunks, *([s.tail] if s.tail else [])]):
         a = i * s.chunk_tokens
         b = min(a + s.chunk_tokens, len(s.tokens))
         codec.decode_into(_member(tar, name, index), kv[:, :, a:b], key=name, fingerprint=store.fingerprint)
-    await store.for_tenant(p.owner).snapshot(
-        s.session_id, s.tokens, kv, s.state, ttl_seconds=s.ttl_seconds, guaranteed_until=s.guaranteed_until,
-        pinned=s.pinned, expected_version=p.prev.version if p.prev else 0, force=force,
-    )  # fmt: skip
+    keys, full = m.chunk_keys, len(m.chunk_keys) * m.chunk_tokens
+    new = await store.chunks.missing(keys, durable=True)
+    slices = store._slices(kv, len(keys))
+    write_keys = [keys[i] for i in new] + ([m.tail_key] if m.tail_key else [])
+    write_kv = [slices[i] for i in new] + ([kv[:, :, full:]] if m.tail_key else [])
+    nbytes = 0
+    if write_keys:
+        reserve.grow(_UNDO_KEY_BYTES * len(write_keys))
+        written.extend(write_keys)
+        nbytes = await store.chunks.write(write_keys, write_kv, durable=True)
+    p.usage = {
+        "snapshots": 1, "tokens_written": len(new) * m.chunk_tokens + m.num_tokens - full,
+        "tokens_deduped": (len(keys) - len(new)) * m.chunk_tokens, "bytes_written": nbytes,
+    }  # fmt: skip
 
 
-async def _undo(store: StateStore, plans: list[_Plan], exc: BaseException) -> None:
-    """Put back every session whose manifest is no longer the one the check saw (the one being
-    written too: it may have committed before a cancellation). Called with the replaced
-    versions' keys pinned. A step that fails is logged and noted on `exc`; the others still run."""
-    failed: list[str] = []
-    for p in reversed(plans):
-        sid = p.session.session_id
-        try:
-            now_at = await store.catalog.get(p.owner, sid)
-            if now_at == p.prev:
-                continue
-            if p.prev is None:
-                await store.for_tenant(p.owner).delete(sid)
-                continue
-            committed = await store.catalog.commit(p.prev, now_at.version if now_at else None)
-            await store.chunks.collect(committed.zeroed, store.catalog.refcounts)
-            if committed.old_tail and committed.old_tail != p.prev.tail_key:
-                await store.chunks.delete([committed.old_tail])
-        except Exception as undo_exc:  # noqa: BLE001 - keep undoing the rest, report at the end
-            log.error("import undo of session %s/%s failed: %s", p.owner, sid, undo_exc)
-            failed.append(f"{p.owner}/{sid} ({type(undo_exc).__name__}: {undo_exc})")
-    note = getattr(exc, "add_note", None)  # Python >= 3.11
-    if failed and note is not None:
-        note(f"import could not undo {len(failed)} sessions: {'; '.join(failed[:5])}")
+async def _undo(store: StateStore, written: list[str], exc: BaseException) -> None:
+    """Collect the chunks a failed import wrote, from every tier: those nothing references. (A
+    cancellation that arrives while the catalog's thread commits can leave the commit landed: then
+    every session stands, whole, and references its chunks, which stay.) A failure here is logged
+    and noted on `exc`: what is left is unreferenced, for gc."""
+    try:
+        await store.chunks.collect(written, store.catalog.refcounts)
+    except Exception as undo_exc:  # noqa: BLE001 - the import's own error is the one to raise
+        log.error("import undo failed, %d chunks are left for gc: %s", len(written), undo_exc)
+        note = getattr(exc, "add_note", None)  # Python >= 3.11
+        if note is not None:
+            note(f"import could not remove the {len(written)} chunks it wrote ({type(undo_exc).__name__}: {undo_exc})")
+
+
+def _local_dirs(store: StateStore) -> list[Path]:
+    """The directories of the store's local catalog and local tiers (where an undo deletes)."""
+    root = Path(store.config.path)
+    tiers = [root / (t.path or t.tier_name) for t in store.config.tier_list() if t.kind in ("lmdb", "file")]
+    return [d for d in [root, *tiers] if d.is_dir()]
 
 
 async def _check(
@@ -345,7 +405,7 @@ async def _check(
         if s.tail:
             _expect(tokens_of, s.tail, len(s.tokens) % s.chunk_tokens)
         prev = await store.catalog.get(owner, s.session_id)
-        _as_snapshot(store.for_tenant(owner), s, prev, force=force)
+        manifest = _as_snapshot(store.for_tenant(owner), s, prev, force=force)
         if prev is not None and not force:
             if prev.fingerprint != store.fingerprint:
                 raise SpecMismatchError(
@@ -356,7 +416,7 @@ async def _check(
                 raise ConflictError(
                     f"session {owner}/{s.session_id} exists in the target; pass --force to overwrite it"
                 )
-        plans.append(_Plan(owner, s, prev))
+        plans.append(_Plan(owner, s, prev, manifest))
     progress.start("check archive", len(tokens_of))
     for name, tokens in tokens_of.items():
         buf = _member(tar, name, index)
@@ -369,20 +429,28 @@ async def _check(
     return plans
 
 
-def _as_snapshot(scoped: StateStore, s: ArchivedSession, prev: SessionManifest | None, *, force: bool) -> None:
-    """Refuse (CorruptDataError) an archived session that `snapshot` would refuse, with snapshot's
-    own checks: token ids, state, options and the manifest it would commit."""
+def _as_snapshot(
+    scoped: StateStore, s: ArchivedSession, prev: SessionManifest | None, *, force: bool
+) -> SessionManifest:
+    """The manifest `snapshot` would commit for an archived session; CorruptDataError where
+    `snapshot` would refuse it, with snapshot's own checks: token ids, state, options, manifest."""
     try:
         packed = token_array(s.tokens)
         state = _json_object(s.state)
         _check_options(ttl_seconds=s.ttl_seconds, pinned=s.pinned, expected_version=None, force=force)
         _check_seconds("guaranteed_until", s.guaranteed_until)
+        record_ttl = scoped.chunks.record_ttl_s
+        if s.guaranteed_until is not None and record_ttl is not None and s.guaranteed_until > now() + record_ttl:
+            raise InvalidArgumentError(
+                f"guaranteed_until is {s.guaranteed_until - now():.0f}s away, but the record tier"
+                f" {scoped.chunks.record_tier!r} expires chunks after {record_ttl:g}s"
+            )
         keys = scoped._keys(packed)
         version = (prev.version if prev else 0) + 1
         full = len(keys) * scoped.chunk_tokens
         tkey = tail_key(scoped.fingerprint, scoped.tenant, s.session_id, version) if len(packed) > full else None
         stamp = now()
-        _manifest_or_invalid(
+        return _manifest_or_invalid(
             session_id=s.session_id, tenant=scoped.tenant, fingerprint=scoped.fingerprint,
             chunk_tokens=scoped.chunk_tokens, tokens=packed.tolist(), chunk_keys=keys, tail_key=tkey,
             state=state, version=version, parent=prev.parent if prev else None,
