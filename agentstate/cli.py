@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json as jsonlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -41,6 +42,7 @@ from rich.markup import escape
 from agentstate.errors import (
     AgentStateError,
     DataDirLockedError,
+    InvalidArgumentError,
     MissingDependencyError,
     NotFoundError,
     SessionNotFoundError,
@@ -122,6 +124,9 @@ def configure_logging(level: str = "info", as_json: bool = False) -> None:
     handler = logging.StreamHandler(sys.stderr)
     plain = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler.setFormatter(_JsonLines() if as_json else plain)
+    from agentstate.server.logcut import ShortArgs
+
+    handler.addFilter(ShortArgs())  # a client-sent 100,000-character id is cut in every line
     logger = logging.getLogger("agentstate")
     logger.handlers[:] = [handler]
     logger.setLevel(level.upper())
@@ -191,7 +196,7 @@ def _progress(enabled: bool = True) -> Iterator[Any]:
         yield _Bars(bars)
 
 
-def _fail(exc: AgentStateError, hint: str = "") -> typer.Exit:
+def _fail(exc: Exception, hint: str = "") -> typer.Exit:
     err.print(f"[red]error[/red] ({type(exc).__name__}): {escape(str(exc) + hint)}", highlight=False)
     return typer.Exit(1)
 
@@ -215,6 +220,21 @@ def _reported(extra: str | None = None, url_hint: bool = False, needs: str = "")
         if hint is None:
             raise
         raise _fail(hint) from None
+    except OSError as exc:  # a path the command was given (missing, a directory, unreadable): one line
+        raise _fail(exc) from None
+
+
+def _output_file(file: Path, what: str) -> None:
+    """Refuse, before any work, a file the command is to write that cannot be: a directory, or one
+    whose parent directory does not exist (an export would read every chunk first, then fail)."""
+    if file.is_dir():
+        raise InvalidArgumentError(f"{what} {file} is a directory, not a file")
+    parent = file.parent
+    if not parent.is_dir():
+        why = "does not exist" if not parent.exists() else "is not a directory"
+        raise NotFoundError(f"cannot write {what} {file}: {parent} {why}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"cannot write {what} {file}: directory {parent} is not writable")
 
 
 def _run(op: Callable[[], Awaitable[T]], url_hint: bool = False, needs: str = "") -> T:
@@ -386,7 +406,7 @@ def ls(
     def render() -> None:
         table = _table(
             "session", "version", "tokens", "chunks", "tail", "size", "parent", "pinned", "ttl s", "guaranteed",
-            "expires", "last hit",
+            "expires", "last hit", "lossy",
         )  # fmt: skip
         for r in rows:
             ttl = f"{r.ttl_seconds:g}" if r.ttl_seconds else "-"
@@ -394,6 +414,7 @@ def ls(
                 r.session_id, str(r.version), str(r.tokens), str(r.chunks), str(r.tail_tokens), _size(r.bytes),
                 r.parent or "-", "yes" if r.pinned else "", ttl, _when(r.guaranteed_until),
                 "never" if r.expires_at is None else _when(r.expires_at), _when(r.last_hit_at),
+                "fp8" if r.lossy else "",
             )  # fmt: skip
         out.print(table)
         out.print(f"{len(rows)} sessions")
@@ -434,6 +455,11 @@ def inspect(
             f"({len(d.chunks)} chunks of {d.chunk_tokens}, tail {d.tail_tokens}), {_size(d.bytes)}, "
             f"spec {d.fingerprint}, {d.missing} missing"
         )
+        if d.lossy:
+            out.print(
+                f"lossy: stored where tiers keep fp8 ({', '.join(d.lossy_tiers) or 'when it was written'}): a resume may"
+                " give back KV within fp8's error bound, not bit-exact (ResumeResult.exact)"
+            )
         ttl = f"ttl {d.ttl_seconds:g}s (refreshed by hits)" if d.ttl_seconds else "no ttl"
         out.print(
             f"retention: {'pinned' if d.pinned else ttl}, guaranteed until {_when(d.guaranteed_until)}, "
@@ -678,6 +704,9 @@ def export(
 ) -> None:
     """Write sessions to a portable archive (every chunk checked, shared chunks stored once)."""
     from agentstate.ops.archive import export_sessions
+
+    with _reported():
+        _output_file(archive, "archive")
 
     with _progress(not json) as bars:
         r = _with_store(

@@ -4,7 +4,7 @@
         await client.snapshot("agent-42", tokens, kv, {"messages": [...]})
         await client.paused("agent-42", 30)        # a tool call, back in about 30 s: held in memory
         await client.resuming("agent-42")          # its next turn: brought up into host memory now
-        r = await client.resume("agent-42")        # ResumeResult, r.kv bit-exact
+        r = await client.resume("agent-42")        # ResumeResult, r.kv bit-exact when r.exact
         print((await client.usage("agent-42")).tokens_read)
 
     with Client("http://127.0.0.1:8470", token) as client:   # the same methods, blocking
@@ -253,9 +253,12 @@ class AsyncClient:
         return _parse(SessionInfo, (await self._upload(_session(session_id, "/snapshot"), header, kv)).content)
 
     async def resume(self, session_id: str) -> RemoteResumeResult:
-        """The session's manifest and KV (`kv` holds its first `restored_tokens` tokens, bit-exact)."""
+        """The session's manifest and KV (`kv` holds its first `restored_tokens` tokens; bit-exact when
+        `exact`, else within fp8's bound: see ResumeResult)."""
         header, kv = await self._frame(ResumeHeader, _session(session_id, "/resume"))
-        return RemoteResumeResult(manifest=header.manifest, kv=kv, restored_tokens=header.restored_tokens)
+        return RemoteResumeResult(
+            manifest=header.manifest, kv=kv, restored_tokens=header.restored_tokens, exact=header.exact
+        )
 
     async def fork(self, source_id: str, new_id: str) -> SessionInfo:
         body = {"new_id": validate_id(new_id)}

@@ -9,7 +9,8 @@ Layout (little endian)::
     8   16s spec fingerprint (raw)
     24  5I  shape
     44  Q   payload length in bytes
-    52  I   reserved (0)
+    52  I   flags: bit 0 (FLAG_LOSSY) the payload is a lossy reconstruction (an fp8 tier's decode),
+            not the bytes the engine stored; other bits are reserved (0), refused when set
     56  Q   xxh3_64 of the payload, seeded with xxh3_64(bytes 0..56 + the key, UTF-8)
     64  ... payload: exactly the memory of the contiguous tensor
 
@@ -17,6 +18,10 @@ The seed covers the header fields and the key the value is stored under, so a va
 its key: a valid chunk copied or swapped under another key fails its checksum like a damaged one
 (it would otherwise be served as the other chunk's KV). Every encode and decode names the key.
 Version 1 (checksum not bound to a key) is refused as an unsupported format: a miss, recomputed.
+
+The lossy flag travels with the bytes: a chunk an fp8 tier gave back is re-encoded with it, so a
+copy promoted to host memory or written to another tier still says it is not the original, and a
+restore can report whether what it served is bit-exact (`ResumeResult.exact`).
 
 No pickle and no torch.load: decoding only reinterprets bytes after every field checks out, and a
 buffer whose checksum fails never reaches a caller.
@@ -38,8 +43,12 @@ MAGIC = b"ASKV"
 FORMAT_VERSION = 2
 HEADER_SIZE = 64
 LAYOUT_CANONICAL = 0
+FLAG_LOSSY = 1
+"""Header flag: the payload is a lossy reconstruction of what was stored (see the module docstring)."""
+_KNOWN_FLAGS = FLAG_LOSSY
 _FIELDS = struct.Struct("<4sHBB16s5IQI")  # bytes 0..56
 _CHECKSUM = struct.Struct("<Q")  # bytes 56..64
+_FLAGS = struct.Struct("<I")  # bytes 52..56
 
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1,
@@ -63,6 +72,8 @@ class ChunkHeader(NamedTuple):
     shape: tuple[int, ...]
     payload_len: int
     checksum: int
+    lossy: bool = False
+    """the payload is a lossy reconstruction (FLAG_LOSSY), not bit-exact to what was stored"""
 
 
 def encoded_size(nbytes: int) -> int:
@@ -83,10 +94,11 @@ def _checksum(header: memoryview, payload: memoryview, key: bytes) -> int:
 
 
 def encode(
-    kv: torch.Tensor, fingerprint: str, *, key: str, out: bytearray | mmap.mmap | None = None
+    kv: torch.Tensor, fingerprint: str, *, key: str, out: bytearray | mmap.mmap | None = None, lossy: bool = False
 ) -> bytearray | mmap.mmap:
     """Encode one chunk of canonical KV (any strides, CPU or not) into self-describing bytes,
     bound to `key`, the key the value will be stored under (decode must name the same key).
+    `lossy` marks `kv` as a lossy reconstruction (FLAG_LOSSY), so no reader takes it for the original.
 
     Writes into `out` (exactly `encoded_size` bytes) or a fresh buffer. The single copy made here
     is also the gather that makes a strided slice layer-major.
@@ -107,10 +119,15 @@ def encode(
     view = memoryview(out)
     _FIELDS.pack_into(
         out, 0, MAGIC, FORMAT_VERSION, DTYPE_CODES[kv.dtype], LAYOUT_CANONICAL,
-        bytes.fromhex(fingerprint), *kv.shape, nbytes, 0,
+        bytes.fromhex(fingerprint), *kv.shape, nbytes, FLAG_LOSSY if lossy else 0,
     )  # fmt: skip
     _CHECKSUM.pack_into(out, _FIELDS.size, _checksum(view, view[HEADER_SIZE:], bound))
     return out
+
+
+def is_lossy(buf: Buffer) -> bool:
+    """Whether a chunk (already checked by `decode`) carries FLAG_LOSSY: its payload is not bit-exact."""
+    return len(buf) >= HEADER_SIZE and bool(_FLAGS.unpack_from(buf, 52)[0] & FLAG_LOSSY)
 
 
 def read_header(buf: Buffer) -> ChunkHeader:
@@ -119,13 +136,15 @@ def read_header(buf: Buffer) -> ChunkHeader:
     if len(view) < HEADER_SIZE:
         raise CorruptDataError(f"chunk truncated: {len(view)} bytes is shorter than the {HEADER_SIZE}-byte header")
     magic, version, dcode, layout, fp, *rest = _FIELDS.unpack_from(view, 0)
-    shape, payload_len = tuple(rest[:5]), rest[5]
+    shape, payload_len, flags = tuple(rest[:5]), rest[5], rest[6]
     if magic != MAGIC:
         raise CorruptDataError(f"bad magic {magic!r}: not an agentstate chunk")
     if version != FORMAT_VERSION:
         raise CorruptDataError(f"unsupported chunk format version {version} (this build reads {FORMAT_VERSION})")
     if layout != LAYOUT_CANONICAL or dcode not in _CODE_DTYPES:
         raise CorruptDataError(f"unknown layout {layout} or dtype code {dcode}")
+    if flags & ~_KNOWN_FLAGS:
+        raise CorruptDataError(f"unknown header flags {flags:#x}")
     dtype = _CODE_DTYPES[dcode]
     numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
     if numel * dtype.itemsize != payload_len:
@@ -133,7 +152,7 @@ def read_header(buf: Buffer) -> ChunkHeader:
     if len(view) != HEADER_SIZE + payload_len:
         raise CorruptDataError(f"chunk is {len(view)} bytes, header says {HEADER_SIZE + payload_len}")
     (checksum,) = _CHECKSUM.unpack_from(view, _FIELDS.size)
-    return ChunkHeader(fp.hex(), dtype, shape, payload_len, checksum)
+    return ChunkHeader(fp.hex(), dtype, shape, payload_len, checksum, bool(flags & FLAG_LOSSY))
 
 
 def decode(

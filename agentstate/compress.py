@@ -170,7 +170,8 @@ def quantize(value: memoryview) -> bytes | None:
 
 def dequantize(stage: memoryview, key: str, original_len: int, out: memoryview) -> None:
     """Rebuild the chunk from its fp8 stage and encode it under `key` into `out`: the codec checksum
-    is computed afresh over the dequantized KV, which is what gets served."""
+    is computed afresh over the dequantized KV, which is what gets served, and the chunk is marked
+    lossy (codec.FLAG_LOSSY) so that every copy of it says it is not the bytes that were stored."""
     if len(stage) < _FP8_HEAD.size:
         raise CorruptDataError("fp8 frame: stage shorter than its header")
     fp, dcode, *shape = _FP8_HEAD.unpack_from(stage, 0)
@@ -186,7 +187,7 @@ def dequantize(stage: memoryview, key: str, original_len: int, out: memoryview) 
     q = np.frombuffer(stage, np.uint8, numel, _FP8_HEAD.size + 4 * scales).reshape(shape)
     # fp8 -> fp32 through a 256-entry table: ~3x torch's own conversion on CPU, and the same values
     kv = torch.from_numpy(np.take(_FP8_VALUES, q)).mul_(scale[:, :, None, :, None]).to(dtype)
-    codec.encode(kv, fp.hex(), key=key, out=out)  # type: ignore[arg-type]
+    codec.encode(kv, fp.hex(), key=key, out=out, lossy=True)  # type: ignore[arg-type]
 
 
 # -- entropy coders ------------------------------------------------------------------------------

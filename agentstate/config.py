@@ -8,6 +8,7 @@ reads it: "512MiB", "32GiB" (powers of 1024), "32GB" (powers of 1000), "1.5TiB",
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -18,6 +19,12 @@ from agentstate.keys import validate_id
 
 GiB = 1 << 30
 MiB = 1 << 20
+MAX_MAP_BYTES = 1 << 46 if sys.maxsize > 1 << 32 else 1 << 30
+"""Largest `lmdb_map_size`: LMDB maps its whole map at open, one range of virtual address space.
+A 64-bit Linux process has 128 TiB of it (47 bits), part in use, so 64 TiB; a 32-bit one 4 GiB,
+so 1 GiB. Past it the open fails (ENOMEM), or, past 2^64, cannot even be asked for."""
+MAX_LIMIT_BYTES = sys.maxsize
+"""Largest `lmdb_max_map_size`: a byte count the platform can hold (the value log is not mapped)."""
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*((?:[kmgtpe]i?)?b|[kmgtpe])?\s*", re.IGNORECASE)
 
 
@@ -96,6 +103,11 @@ class TierConfig(BaseModel):
     def tier_name(self) -> str:
         return self.name or self.kind
 
+    @property
+    def lossy(self) -> bool:
+        """This tier keeps a lossy encoding (fp8): what it gives back is not bit-exact."""
+        return self.compression.startswith("fp8")
+
 
 class StoreConfig(BaseSettings):
     """Embedded default: a host (DRAM) tier over LMDB in `path`; no server to start."""
@@ -113,10 +125,13 @@ class StoreConfig(BaseSettings):
         default=2 * GiB, ge=0, description="freed restore buffers kept, touched, for the next resume"
     )
     promote_on_read: bool = Field(default=True, description="copy chunks read from LMDB into the host tier")
-    lmdb_map_size: Bytes = Field(default=GiB, gt=0, description="initial LMDB map; it grows when full")
+    lmdb_map_size: Bytes = Field(
+        default=GiB, gt=0, le=MAX_MAP_BYTES, description="initial LMDB map; it grows when full"
+    )  # at most MAX_MAP_BYTES: the map is one range of the process's address space
     lmdb_max_map_size: Bytes | None = Field(
-        default=None, gt=0, description="hard limit of the LMDB tier: its map and its value log's segment files together"
-    )
+        default=None, gt=0, le=MAX_LIMIT_BYTES,
+        description="hard limit of the LMDB tier: its map and its value log's segment files together",
+    )  # fmt: skip
     lmdb_value_log_min_bytes: Bytes | None = Field(
         default=256 * 1024, ge=0,
         description="LMDB values at least this large (KV chunks) go to the value log: appended to segment files,"
@@ -178,6 +193,11 @@ class StoreConfig(BaseSettings):
         default=1.0, gt=0, le=60,
         description="accounting and hit times reach the catalog in one transaction this often (and at close)",
     )  # fmt: skip
+
+    @property
+    def lossy(self) -> bool:
+        """Some tier keeps a lossy encoding: a chunk may come back not bit-exact (see ResumeResult.exact)."""
+        return any(t.lossy for t in self.tier_list())
 
     def tier_list(self) -> list[TierConfig]:
         if self.tiers is not None:

@@ -18,6 +18,15 @@ class InvalidArgumentError(AgentStateError, ValueError):
     """A caller passed something malformed: a bad id, a wrong shape, an unknown option."""
 
 
+class ConfigError(InvalidArgumentError):
+    """A configuration value is out of bounds or cannot be used here; `key` names the setting
+    (`lmdb_map_size`), so the operator knows what to change."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 class InvalidSessionIdError(InvalidArgumentError):
     """A session or tenant id breaks the length or charset rules; it is never used as a path."""
 

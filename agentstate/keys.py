@@ -39,9 +39,16 @@ def validate_id(value: object, what: str = "session id") -> str:
     """
     if not isinstance(value, str) or _ID_RE.fullmatch(value) is None:
         raise InvalidSessionIdError(
-            f"invalid {what} {value!r}: 1-128 chars of [A-Za-z0-9_.:@-], starting with a letter, digit or _"
+            f"invalid {what} {_shown(value)}: 1-128 chars of [A-Za-z0-9_.:@-], starting with a letter, digit or _"
         )
     return value
+
+
+def _shown(value: object) -> str:
+    """A rejected value as an error message shows it: its repr, cut at 100 characters (a client
+    chooses it, and a 100,000-character id must not become a 100,000-character log line)."""
+    text = repr(value)
+    return text if len(text) <= 100 else f"{text[:100]}...(+{len(text) - 100} chars)"
 
 
 def token_array(tokens: Iterable[int]) -> array:

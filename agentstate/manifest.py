@@ -6,7 +6,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, model_serializer
 
 from agentstate.errors import CorruptDataError
 from agentstate.keys import ChunkKey, TailKey
@@ -46,9 +46,20 @@ class SessionManifest(BaseModel):
     guaranteed_until: float | None = Field(default=None, gt=0)
     """retention contract: wall-clock time before which the session never expires, whatever its TTL"""
     pinned: bool = False
+    lossy: bool = False
+    """stored where a tier keeps a lossy encoding (fp8): a resume may give back KV within that
+    encoding's error bound instead of the bytes snapshotted (`ResumeResult.exact` says, per resume).
+    Left out of the stored form when False, so lossless manifests read as before everywhere."""
     last_hit_at: float | None = Field(default=None, exclude=True)
     """when it was last resumed or hinted: filled by the catalog from its hit record, never part of
     the committed manifest (a hit is not a new version)"""
+
+    @model_serializer(mode="wrap")
+    def _lossless_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if not self.lossy:
+            data.pop("lossy", None)
+        return data
 
     @property
     def num_tokens(self) -> int:
@@ -88,8 +99,17 @@ class MatchResult(BaseModel):
 
 
 class ResumeResult(BaseModel):
-    """A restored session. `kv` holds the first `restored_tokens` tokens of `tokens`, bit-exact
+    """A restored session. `kv` holds the KV of the first `restored_tokens` tokens of `tokens`
     (None when the KV was restored into a caller's KVTarget instead, such as a paged pool).
+
+    `exact` says whether those bytes are bit-exact, the very bytes the snapshot stored. It is False
+    when any restored chunk or the tail came back through a lossy encoding (a tier with fp8
+    compression): every value is then the fp8 (e4m3, per-layer/plane/head scale) reconstruction of
+    the stored one x, within e4m3's rounding: |x' - x| <= 2^-4 |x| + 2^-10 s, s = amax / 448 the
+    scale of x's (layer, plane, head) in its chunk, plus the rounding of x' to the KV dtype; never
+    corrupt (each chunk passed its checksum). `complete` says
+    only that every token was restored, not that it is bit-exact: an engine that needs the original
+    bytes (a bitwise-reproducible decode) checks `exact` and recomputes when it is False.
 
     `restored_tokens < len(tokens)` only when stored data was missing or corrupt: the engine
     recomputes the rest from `tokens`, which are always complete.
@@ -103,6 +123,8 @@ class ResumeResult(BaseModel):
     else:
         kv: Any  # a torch.Tensor or None; not validated, so that the SDK imports without torch
     restored_tokens: int
+    exact: bool
+    """every restored byte is the byte stored (no chunk or tail came from a lossy encoding)"""
 
     @property
     def tokens(self) -> list[int]:
@@ -114,6 +136,7 @@ class ResumeResult(BaseModel):
 
     @property
     def complete(self) -> bool:
+        """Every token's KV was restored (bit-exact only when `exact` is also True)."""
         return self.restored_tokens == len(self.manifest.tokens)
 
 

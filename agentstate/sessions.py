@@ -107,7 +107,7 @@ class SessionOps(StoreBase):
                 chunk_tokens=self.chunk_tokens, tokens=packed.tolist(), chunk_keys=keys, tail_key=tkey,
                 state=state, version=base + 1, parent=prev.parent if prev else None,
                 created_at=prev.created_at if prev else stamp, updated_at=stamp,
-                ttl_seconds=ttl_seconds, guaranteed_until=guaranteed_until, pinned=pinned,
+                ttl_seconds=ttl_seconds, guaranteed_until=guaranteed_until, pinned=pinned, lossy=self.config.lossy,
             )  # fmt: skip
             named = keys + ([tkey] if tkey else [])
             written = 0
@@ -195,7 +195,8 @@ class SessionOps(StoreBase):
         return await self._manifest(session_id)
 
     async def resume(self, session_id: str, into: torch.Tensor | KVTarget | None = None) -> ResumeResult:
-        """Restore a session's tokens, state and KV, exact to the last token (tail included).
+        """Restore a session's tokens, state and KV, complete to the last token (tail included);
+        bit-exact unless a chunk came back through a lossy tier (fp8): `ResumeResult.exact` says.
 
         KV lands in `into` (a canonical tensor or a KVTarget such as an engine's paged pool, with
         room for the whole session) when given; else in a fresh huge-page host tensor. Chunks
@@ -212,12 +213,13 @@ class SessionOps(StoreBase):
             )
         keys = _named(manifest)
         usage: Counter[str] = Counter()
+        lossy: set[str] = set()
         with self.chunks.pinned(keys):
             await self.chunks.discover(keys)
             # the manifest's chunk size, not this store's: a directory reopened with another
             # chunk_tokens still resumes what it holds
             spans = self._spans(len(manifest.chunk_keys), manifest.num_tokens, manifest.chunk_tokens)
-            ok = await self.chunks.read(keys, spans, target, usage=usage)
+            ok = await self.chunks.read(keys, spans, target, usage=usage, lossy=lossy)
         target.synchronize()
         lead = _leading(ok)
         restored = manifest.num_tokens if lead == len(keys) else lead * manifest.chunk_tokens
@@ -236,8 +238,10 @@ class SessionOps(StoreBase):
             kv[:, :, restored:].zero_()  # a pooled buffer holds old bytes: expose none of them
         if kv is None and isinstance(target, TensorTarget):
             kv = target.tensor
+        exact = not lossy.intersection(keys[:lead])
         return ResumeResult(
-            manifest=manifest, kv=kv[:, :, :restored] if kv is not None else None, restored_tokens=restored
+            manifest=manifest, kv=kv[:, :, :restored] if kv is not None else None, restored_tokens=restored,
+            exact=exact,
         )
 
     async def fork(self, source_id: str, new_id: str) -> SessionManifest:
@@ -267,7 +271,7 @@ class SessionOps(StoreBase):
                         stamp = now()
                         fields = {
                             "session_id": new_id, "tail_key": tkey, "version": 1, "parent": source_id,
-                            "last_hit_at": None,
+                            "last_hit_at": None, "lossy": src.lossy or (tkey is not None and self.config.lossy),
                         }  # fmt: skip
                         manifest = src.model_copy(update={**fields, "created_at": stamp, "updated_at": stamp})
                         await self.catalog.commit(manifest, None)

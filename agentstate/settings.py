@@ -37,7 +37,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource
 from pydantic_settings.exceptions import SettingsError
 
 from agentstate.config import StoreConfig
-from agentstate.errors import InvalidArgumentError, MissingDependencyError, NotFoundError
+from agentstate.errors import ConfigError, InvalidArgumentError, MissingDependencyError, NotFoundError
 from agentstate.spec import ModelSpec
 
 CONFIG_ENV = "AGENTSTATE_CONFIG_FILE"
@@ -86,7 +86,7 @@ def read_config_file(file: str | os.PathLike[str]) -> ConfigFile:
         _StoreKeys.model_validate(store)
         spec = ModelSpec.model_validate(raw["spec"]) if "spec" in raw else None
     except ValidationError as exc:
-        raise InvalidArgumentError(f"config file {source}: {problems(exc)}") from None
+        raise ConfigError(f"config file {source}: {problems(exc)}", key=first_key(exc)) from None
     service = dict(raw.get("service", {}))
     _relative(service, base, "tokens_file", "handle_secret_file")
     adapters = {name: dict(raw.get(name, {})) for name in ("sglang", "vllm")}
@@ -169,7 +169,7 @@ def layered(
     try:
         return cls(**values)
     except ValidationError as exc:
-        raise InvalidArgumentError(f"{cls.__name__}: {problems(exc, source)}") from None
+        raise ConfigError(f"{cls.__name__}: {problems(exc, source)}", key=first_key(exc)) from None
 
 
 def store_config(file: ConfigFile | None = None, **flags: Any) -> StoreConfig:
@@ -282,6 +282,12 @@ def _strings(value: Any, key: str = "") -> list[tuple[str, str]]:
     if isinstance(value, list):
         return [s for i, v in enumerate(value) for s in _strings(v, f"{key}.{i}")]
     return [(key, value)] if isinstance(value, str) else []
+
+
+def first_key(exc: ValidationError) -> str | None:
+    """The setting the first problem of `exc` is about (`lmdb_map_size`, `tiers.0.compression`)."""
+    errors = exc.errors()
+    return ".".join(map(str, errors[0]["loc"])) or None if errors else None
 
 
 def problems(exc: ValidationError, source: Callable[[str], str] | None = None) -> str:

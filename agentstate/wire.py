@@ -158,6 +158,11 @@ class PrefixHeader(KVHeader):
 class ResumeHeader(KVHeader):
     manifest: SessionManifest
     restored_tokens: int = Field(ge=0)
+    exact: bool = Field(
+        default=False,
+        description="the KV is bit-exact, the bytes snapshotted; false when a chunk came from a lossy (fp8) tier"
+        " (or from a server too old to say): within fp8's error bound, see ResumeResult.exact",
+    )  # fmt: skip
 
 
 class LoadHeader(KVHeader):
@@ -198,6 +203,9 @@ class SessionInfo(BaseModel):
         " guaranteed_until",
     )  # fmt: skip
     last_hit_at: float | None = Field(default=None, description="wall clock: its last resume or hint (None: none yet)")
+    lossy: bool = Field(
+        default=False, description="stored where a tier keeps a lossy encoding (fp8): a resume may not be bit-exact"
+    )
 
     @classmethod
     def of(cls, m: SessionManifest) -> SessionInfo:
@@ -205,7 +213,7 @@ class SessionInfo(BaseModel):
             session_id=m.session_id, fingerprint=m.fingerprint, num_tokens=m.num_tokens, version=m.version,
             parent=m.parent, created_at=m.created_at, updated_at=m.updated_at, ttl_seconds=m.ttl_seconds,
             pinned=m.pinned, guaranteed_until=m.guaranteed_until, expires_at=m.expires_at(),
-            last_hit_at=m.last_hit_at,
+            last_hit_at=m.last_hit_at, lossy=m.lossy,
         )  # fmt: skip
 
 

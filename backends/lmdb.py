@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -98,18 +99,24 @@ class LMDBBackend(Backend):
         segment_bytes: int = 1 << 30,
     ) -> None:
         self.path = Path(path)
+        created = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
         self.max_map_size = max_map_size
         self.value_log_min_bytes = value_log_min_bytes
-        self._env = open_env(
-            self.path, "LMDB", map_size=map_size, sync=sync, metasync=sync, max_dbs=1,
-            max_readers=max(126, threads * 4), max_spare_txns=threads, readahead=True,
-        )  # fmt: skip
         try:
-            self._log = ValueLog(self.path, segment_bytes=segment_bytes, sync=sync)
-            self._ptrs = self._open_pointers()
+            self._env = open_env(
+                self.path, "LMDB", size_key="lmdb_map_size", map_size=map_size, sync=sync, metasync=sync, max_dbs=1,
+                max_readers=max(126, threads * 4), max_spare_txns=threads, readahead=True,
+            )  # fmt: skip
+            try:
+                self._log = ValueLog(self.path, segment_bytes=segment_bytes, sync=sync)
+                self._ptrs = self._open_pointers()
+            except BaseException:
+                self._env.close()
+                raise
         except BaseException:
-            self._env.close()
+            if created:  # a failed open leaves nothing behind in a directory it made
+                shutil.rmtree(self.path, ignore_errors=True)
             raise
         self._gate = _TxnGate()
         self._pool = io_pool(threads, "agentstate-lmdb")

@@ -19,6 +19,8 @@ highest page numbers allocated but free and never written, so a healthy file may
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import mmap
 import os
 import struct
@@ -28,9 +30,11 @@ from typing import Any
 
 import lmdb
 
-from agentstate.errors import CapacityError, AgentStateError, BackendError, CorruptDataError
+from agentstate.config import MAX_MAP_BYTES
+from agentstate.errors import AgentStateError, BackendError, CapacityError, ConfigError, CorruptDataError
 
 DATA_FILE = "data.mdb"
+LOCK_FILE = "lock.mdb"
 
 _CORRUPT = tuple(
     getattr(lmdb, name)
@@ -61,23 +65,56 @@ def lmdb_error(exc: BaseException, what: str) -> AgentStateError:
     return BackendError(f"{what}: {exc}")
 
 
-def open_env(path: str | Path, what: str, **kwargs: Any) -> lmdb.Environment:
+def open_env(path: str | Path, what: str, *, size_key: str | None = None, **kwargs: Any) -> lmdb.Environment:
     """`lmdb.open(path, subdir=True, **kwargs)`, refusing a damaged data file with CorruptDataError
-    before anything of it is read through the map. A missing data file is a fresh store."""
+    before anything of it is read through the map. A missing data file is a fresh store.
+
+    A `map_size` the platform cannot map (past MAX_MAP_BYTES, or refused with ENOMEM) is a
+    ConfigError naming `size_key`, the setting it came from. An open that fails leaves no file it
+    created: a fresh store's data and lock files go again (an existing store's are never touched)."""
     path = Path(path)
     file = path / DATA_FILE
+    map_size = kwargs.get("map_size", 0)
+    if map_size > MAX_MAP_BYTES:
+        raise _size_error(what, path, size_key, map_size, "it is past the largest map this platform can hold")
     check_data_file(file, what)
     _check_room(path, what)
+    fresh = {name for name in (DATA_FILE, LOCK_FILE) if not (path / name).exists()}
     try:
-        env = lmdb.open(str(path), subdir=True, **kwargs)
-    except lmdb.Error as exc:
-        raise lmdb_error(exc, f"cannot open {what} at {path}") from exc
-    try:
-        _check_extent(env, file, what)
+        try:
+            env = lmdb.open(str(path), subdir=True, **kwargs)
+        except OverflowError as exc:
+            raise _size_error(what, path, size_key, map_size, str(exc)) from exc
+        except lmdb.Error as exc:
+            if _enomem(exc) and map_size:
+                raise _size_error(what, path, size_key, map_size, str(exc)) from exc
+            raise lmdb_error(exc, f"cannot open {what} at {path}") from exc
+        try:
+            _check_extent(env, file, what)
+        except BaseException:
+            env.close()
+            raise
     except BaseException:
-        env.close()
+        if DATA_FILE in fresh:  # nothing was ever stored in a data file this call created
+            for name in fresh:
+                with contextlib.suppress(OSError):
+                    (path / name).unlink()
         raise
     return env
+
+
+def _enomem(exc: lmdb.Error) -> bool:
+    return "Cannot allocate memory" in str(exc) or os.strerror(errno.ENOMEM) in str(exc)
+
+
+def _size_error(what: str, path: Path, key: str | None, size: int, why: str) -> ConfigError:
+    name = key or "map_size"
+    return ConfigError(
+        f"{name} = {size} bytes cannot be mapped for {what} at {path}: {why} (the map is one range of virtual"
+        f" address space; this platform allows at most {MAX_MAP_BYTES} bytes, less where the address space or"
+        f" the overcommit policy is smaller): lower {name}",
+        key=name,
+    )
 
 
 _ROOM = 1 << 20

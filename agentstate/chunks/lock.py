@@ -17,6 +17,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import shutil
 from pathlib import Path
 
 from agentstate.errors import AgentStateError, BackendError, CapacityError, DataDirLockedError
@@ -27,9 +28,11 @@ LOCK_FILE = "LOCK"
 class DataDirLock:
     """An acquired lock on one data directory; `release()` (idempotent) gives it back."""
 
-    def __init__(self, path: Path, fd: int, shared: bool) -> None:
+    def __init__(self, path: Path, fd: int, shared: bool, created: Path | None = None) -> None:
         self.path = path
         self.shared = shared
+        self.created = created
+        """the outermost directory `acquire` made (None: the data directory existed)"""
         self._fd: int | None = fd
 
     @classmethod
@@ -37,6 +40,7 @@ class DataDirLock:
         """Take the directory's lock now, or raise DataDirLockedError (never waits)."""
         root = Path(directory)
         path = root / LOCK_FILE
+        created = next((d for d in reversed([root, *root.parents]) if not d.exists()), None)
         try:
             root.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -46,7 +50,7 @@ class DataDirLock:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as exc:
             holder = _holder(fd)
-            os.close(fd)
+            os.close(fd)  # the directory, if made here, is the holder's now: left as it is
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise DataDirLockedError(f"cannot lock data directory {root}: {exc}") from exc
             who = f"process {holder}" if holder else "read-only openers (admin commands)"
@@ -56,7 +60,7 @@ class DataDirLock:
                 " process closes it (stop the server, or go through its HTTP API)",
                 pid=holder,
             ) from None
-        lock = cls(path, fd, shared)
+        lock = cls(path, fd, shared, created)
         if not shared:
             try:
                 os.ftruncate(fd, 0)
@@ -75,6 +79,14 @@ class DataDirLock:
                 os.ftruncate(fd, 0)
             fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+    def discard(self) -> None:
+        """Release after a failed open: a directory this lock made is removed with everything in it
+        (the LOCK file, a fresh LMDB's files), so a failed open leaves nothing behind. Only a writer
+        does this: it held the directory alone from the moment it existed, so all in it is its own."""
+        if self._fd is not None and not self.shared and self.created is not None:
+            shutil.rmtree(self.created, ignore_errors=True)
+        self.release()
 
     @property
     def held(self) -> bool:

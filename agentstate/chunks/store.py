@@ -121,7 +121,7 @@ class ChunkStore:
                 threshold=config.write_through_threshold, exclusive=config.exclusive, holds=self._holds,
             )  # fmt: skip
         except BaseException:
-            self._lock.release()
+            self._lock.discard()  # a directory this open made goes again: a failed open leaves no files
             raise
         self._record = self._manager.record
         self._pool = io_pool(config.io_threads, "agentstate-cpu")
@@ -360,16 +360,17 @@ class ChunkStore:
 
     async def read(
         self, keys: Sequence[str], spans: Sequence[Span], target: KVTarget, *, staged: dict[str, Value] | None = None,
-        usage: Counter[str] | None = None,
+        usage: Counter[str] | None = None, lossy: set[str] | None = None,
     ) -> list[bool]:  # fmt: skip
         """Restore chunk `keys[i]` into `target` at `spans[i]`; which ones arrived intact. Keys
         must be pinned. A corrupt or missing copy is dropped and the next tier tried. `usage`
-        counts the bytes read from each tier (`bytes_read:<tier>`), for the caller's accounting.
+        counts the bytes read from each tier (`bytes_read:<tier>`), for the caller's accounting;
+        `lossy` collects the keys whose restored bytes are a lossy reconstruction (an fp8 tier's).
         Keys a `warm` is bringing up are read once it is done (from host memory, then)."""
         waits = {self._warming[k] for k in keys if k in self._warming}
         if waits:
             await asyncio.wait(waits)  # not cancelled with this read: other readers wait on it too
-        return await self._transfer.read(keys, spans, target, staged=staged, usage=usage)
+        return await self._transfer.read(keys, spans, target, staged=staged, usage=usage, lossy=lossy)
 
     async def fetch(self, keys: Sequence[str], tokens: Sequence[int]) -> dict[str, Value]:
         """Read and check chunks into owned host buffers (prefetch staging)."""
@@ -570,8 +571,9 @@ class ChunkStore:
         await self._transfer.flush()
 
     def release_lock(self) -> None:
-        """Give the directory lock back now (a store whose construction failed above this layer)."""
-        self._lock.release()
+        """Give the directory lock back now (a store whose construction failed above this layer);
+        a data directory this open made is removed with it, so the failed open leaves no files."""
+        self._lock.discard()
 
     async def close(self) -> None:
         """Flush, close every tier, release the directory lock. Idempotent."""

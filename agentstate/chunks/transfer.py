@@ -83,11 +83,12 @@ class Transfer:
 
     async def read(
         self, keys: Sequence[str], spans: Sequence[Span], target: KVTarget, *, staged: dict[str, Value] | None = None,
-        usage: Counter[str] | None = None,
+        usage: Counter[str] | None = None, lossy: set[str] | None = None,
     ) -> list[bool]:  # fmt: skip
         """Restore chunk `keys[i]` into `target` at `spans[i]`; which ones arrived intact.
 
         Chunks in `staged` (checked buffers a prefetch already holds) are copied from there.
+        Keys whose restored bytes were a lossy reconstruction (codec.FLAG_LOSSY) are added to `lossy`.
         """
         ok = [False] * len(keys)
         from_staged = [i for i, k in enumerate(keys) if staged and k in staged]
@@ -102,6 +103,8 @@ class Transfer:
                     )  # fmt: skip
                     target.write(spans[i][0], src)
                     ok[i] = True
+                    if lossy is not None and codec.is_lossy(staged[keys[i]]):
+                        lossy.add(keys[i])
 
             await asyncio.get_running_loop().run_in_executor(self.pool, copy)
             if usage is not None:
@@ -111,7 +114,9 @@ class Transfer:
         def into_target(j: int, src: torch.Tensor) -> None:
             target.write(spans[rest[j]][0], src)
 
-        got = await self._read([keys[i] for i in rest], [spans[i][1] for i in rest], into_target, usage=usage)
+        got = await self._read(
+            [keys[i] for i in rest], [spans[i][1] for i in rest], into_target, usage=usage, lossy=lossy
+        )
         for i, good in zip(rest, got):
             ok[i] = good
         return ok
@@ -132,6 +137,7 @@ class Transfer:
         *,
         usage: Counter[str] | None = None,
         promote: bool = True,
+        lossy: set[str] | None = None,
     ) -> list[bool]:
         ok = [False] * len(keys)
         pending = list(range(len(keys)))
@@ -142,7 +148,7 @@ class Transfer:
             if todo:
                 got = await self._read_tier(
                     tier, [keys[i] for i in todo], [tokens[i] for i in todo], _remap(deliver, todo), staged,
-                    usage=usage, promote=promote,
+                    usage=usage, promote=promote, lossy=lossy,
                 )  # fmt: skip
                 for i, good in zip(todo, got):
                     ok[i] = good
@@ -164,6 +170,7 @@ class Transfer:
         *,
         usage: Counter[str] | None = None,
         promote: bool = True,
+        lossy: set[str] | None = None,
     ) -> list[bool]:
         status = ["missing"] * len(keys)
         sizes_read = [0] * len(keys)
@@ -191,6 +198,8 @@ class Transfer:
                     return
                 status[i] = "ok"
                 sizes_read[i] = len(view)
+                if lossy is not None and codec.is_lossy(view):
+                    lossy.add(keys[i])
                 if keep_copy:
                     owned[keys[i]] = copy_bytes(view)
 

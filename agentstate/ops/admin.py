@@ -21,7 +21,7 @@ from agentstate import codec
 from agentstate.chunks import EvictResult
 from agentstate.chunks import TierInfo as ChunkTierInfo
 from agentstate.config import StoreConfig
-from agentstate.errors import InvalidArgumentError, NotFoundError, SpecMismatchError
+from agentstate.errors import ConfigError, InvalidArgumentError, NotFoundError, SpecMismatchError
 from agentstate.keys import PAGE_PREFIX, validate_id
 from agentstate.manifest import SessionManifest
 from agentstate.ops.reports import ChunkInfo, GcReport, SessionDetail, SessionRow, dumps  # noqa: F401  (re-exported)
@@ -98,7 +98,11 @@ def store_config(path: Path, tenant: str | None = None) -> StoreConfig:
     try:
         return StoreConfig(path=Path(path)) if tenant is None else StoreConfig(path=Path(path), tenant=tenant)
     except ValidationError as exc:
-        raise InvalidArgumentError(f"invalid store configuration (AGENTSTATE_* env vars): {_short(exc)}") from None
+        errors = exc.errors()
+        raise ConfigError(
+            f"invalid store configuration (AGENTSTATE_* env vars): {_short(exc)}",
+            key=".".join(map(str, errors[0]["loc"])) if errors else None,
+        ) from None
 
 
 def is_store(config: StoreConfig) -> bool:
@@ -148,7 +152,7 @@ def _row(store: StateStore, m: SessionManifest) -> SessionRow:
         session_id=m.session_id, tenant=m.tenant, version=m.version, tokens=m.num_tokens, chunks=len(m.chunk_keys),
         tail_tokens=m.tail_tokens, bytes=size, parent=m.parent, pinned=m.pinned, ttl_seconds=m.ttl_seconds,
         created_at=m.created_at, updated_at=m.updated_at, guaranteed_until=m.guaranteed_until,
-        expires_at=m.expires_at(), last_hit_at=m.last_hit_at,
+        expires_at=m.expires_at(), last_hit_at=m.last_hit_at, lossy=m.lossy,
     )  # fmt: skip
 
 
@@ -181,7 +185,8 @@ async def inspect_session(store: StateStore, session_id: str) -> SessionDetail:
         guaranteed_until=m.guaranteed_until, expires_at=m.expires_at(), last_hit_at=m.last_hit_at,
         hint=None if hold is None else hold.kind,
         hint_held_until=None if hold is None else time.time() + (hold.until - time.monotonic()),
-        usage=await store.usage(session_id),
+        usage=await store.usage(session_id), lossy=m.lossy,
+        lossy_tiers=[t.tier_name for t in store.config.tier_list() if t.lossy],
     )  # fmt: skip
 
 

@@ -37,6 +37,9 @@ class SessionRow(BaseModel):
     """when it expires: its sliding TTL after the last write or hit, never before `guaranteed_until` (None: never)"""
     last_hit_at: float | None = None
     """its last resume or hint"""
+    lossy: bool = False
+    """stored where a tier keeps a lossy encoding (fp8): a resume may give back KV within fp8's error
+    bound, not the bytes snapshotted (ResumeResult.exact says, per resume)"""
 
 
 class ChunkInfo(BaseModel):
@@ -76,6 +79,11 @@ class SessionDetail(BaseModel):
     hint_held_until: float | None = None
     usage: Usage | None = None
     """its accounting: tokens read, written, recomputed; bytes per tier"""
+    lossy: bool = False
+    """stored where a tier keeps a lossy encoding (fp8): a resume may not be bit-exact (see SessionRow)"""
+    lossy_tiers: list[str] = []
+    """this store's tiers that keep a lossy encoding: a copy a chunk has there (or was promoted from
+    there) is fp8's reconstruction, not the stored bytes"""
 
 
 class GcReport(BaseModel):

@@ -46,6 +46,7 @@ from agentstate.hints import Hint, HintResult
 from agentstate.manifest import SessionManifest
 from agentstate.ops import admin
 from agentstate.ops.admin import SPEC_FILE, record_spec, recorded_spec
+from agentstate.server import logcut
 from agentstate.server.dataplane import Handles, register
 from agentstate.server.gate import (
     Budget,
@@ -92,7 +93,9 @@ def create_app(
 ) -> FastAPI:
     """The service over one open store. `tokens` maps bearer token -> tenant. `tenant_metrics`:
     export the per-tenant usage counters on /metrics (they name tenants); None: when /metrics
-    needs a token (`limits.metrics_token`)."""
+    needs a token (`limits.metrics_token`). Its log lines (uvicorn's access lines included) cut
+    client-sent ids and paths to ~100 characters (`agentstate.server.logcut`)."""
+    logcut.install()
     limits = limits or Limits()
     ctx = ServiceContext(store, limits)
     metrics = Metrics(tenants=limits.metrics_token is not None if tenant_metrics is None else tenant_metrics)
@@ -238,7 +241,7 @@ def _sessions(app: FastAPI, ctx: ServiceContext, metrics: Metrics) -> None:
 
     @app.post("/v1/sessions/{session_id}/resume", tags=["sessions"], responses={200: {"content": {FRAME_TYPE: {}}}})
     async def resume(session_id: str, request: Request, store: Store) -> Response:
-        """The session as a frame: ResumeHeader (manifest, restored_tokens) + KV of the restored tokens.
+        """The session as a frame: ResumeHeader (manifest, restored_tokens, exact) + KV of the restored tokens.
         503 `overloaded` (Retry-After) when the service has no room for its KV now."""
         size = (await store.session(session_id)).num_tokens * store.spec.token_bytes
         admit(request, size, f"session {session_id}")
@@ -248,7 +251,7 @@ def _sessions(app: FastAPI, ctx: ServiceContext, metrics: Metrics) -> None:
         assert result.kv is not None  # no `into`: the store allocates the tensor
         header = ResumeHeader(
             fingerprint=store.fingerprint, dtype=store.spec.dtype, shape=list(result.kv.shape),
-            manifest=result.manifest, restored_tokens=result.restored_tokens,
+            manifest=result.manifest, restored_tokens=result.restored_tokens, exact=result.exact,
         )  # fmt: skip
         return await frame_response(header, kv_payload(result.kv))
 
@@ -360,8 +363,16 @@ def run(
 
 
 def load_tokens(tokens_file: Path | None) -> dict[str, str]:
+    """The bearer tokens of `tokens_file` (else env AGENTSTATE_TOKENS); a file that is missing or
+    cannot be read is NotFoundError / InvalidArgumentError, one line, never a traceback."""
     if tokens_file is not None:
-        source, raw = str(tokens_file), Path(tokens_file).read_text()
+        source = str(tokens_file)
+        try:
+            raw = Path(tokens_file).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise NotFoundError(f"no tokens file {tokens_file}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidArgumentError(f"cannot read tokens file {tokens_file}: {exc}") from None
     elif os.environ.get("AGENTSTATE_TOKENS"):
         source, raw = "AGENTSTATE_TOKENS", os.environ["AGENTSTATE_TOKENS"]
     else:
