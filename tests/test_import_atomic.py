@@ -309,7 +309,9 @@ def manifest(session_id: str, version: int, seed: int) -> SessionManifest:
 
 
 @pytest.mark.parametrize("kind", ["lmdb", "redis"])
-async def test_commit_all_commits_every_session_or_none(tmp_path: Path, request: pytest.FixtureRequest, kind: str) -> None:
+async def test_commit_all_commits_every_session_or_none(
+    tmp_path: Path, request: pytest.FixtureRequest, kind: str
+) -> None:
     """The import's commit: one change that conflicts (here the last) and none lands, on the local
     catalog (one transaction) and on a shared one (the landed ones put back); then all land."""
     if kind == "lmdb":

@@ -209,7 +209,9 @@ class LMDBCatalog(Catalog):
         puts = [self._putter(m, p.version if p else None) for m, p in changes]
         return await self._write(lambda txn: [put(txn) for put in puts]) if puts else []
 
-    def _putter(self, manifest: SessionManifest, expected_version: int | None) -> Callable[[lmdb.Transaction], Committed]:
+    def _putter(
+        self, manifest: SessionManifest, expected_version: int | None
+    ) -> Callable[[lmdb.Transaction], Committed]:
         """One commit of `manifest` as the body of a write transaction (the manifest encoded once, here)."""
         key = self._skey(manifest.tenant, manifest.session_id)
         body = encode_manifest(manifest)

@@ -296,7 +296,9 @@ class _Plan:
     """what `snapshot` would count for it"""
 
 
-async def _store_all(store: StateStore, tar: _Archive, index: ArchiveIndex, plans: list[_Plan], progress: Progress) -> None:
+async def _store_all(
+    store: StateStore, tar: _Archive, index: ArchiveIndex, plans: list[_Plan], progress: Progress
+) -> None:
     """Stage every session's chunks (pinned, unreferenced), then commit every manifest in one
     catalog transaction. Until that commit nothing names what was staged; if anything fails before
     it lands, the room held for the undo is given back and the chunks this import wrote are
