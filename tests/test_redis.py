@@ -81,13 +81,29 @@ def test_breaker_needs_consecutive_failures_and_reopens_after_a_failed_probe() -
 
 
 async def test_ttl_and_prefix_isolation(redis_server: RedisServer) -> None:
+    """The TTL is set on the server (PTTL), and the key goes when it runs out. Waiting is by polling
+    (a loaded machine may stall past a 1 s TTL between any two calls, so no check races it)."""
+    import redis.asyncio as aioredis
+
     a = RedisBackend(redis_server.url, prefix="tenant-a:", ttl_seconds=1)
     b = RedisBackend(redis_server.url, prefix="tenant-b:")
-    await a.put(["c/x"], [b"alpha"])
+    raw = aioredis.from_url(redis_server.url)
+    await a.put(["c/x", "c/y"], [b"alpha", b"beta"])
+    b2 = RedisBackend(redis_server.url, prefix="tenant-a:")
+    await b2.put(["c/keep"], [b"gamma"])  # no TTL: lives on
     assert await b.exists(["c/x"]) == [False] and [k async for k in b.keys()] == []
-    assert [k async for k in a.keys("c/")] == ["c/x"]
-    await asyncio.sleep(1.2)
-    assert await a.exists(["c/x"]) == [False]  # expired
+    assert await raw.pttl("tenant-a:c/keep") == -1
+    for key in ("tenant-a:c/x", "tenant-a:c/y"):
+        ms = await raw.pttl(key)
+        assert ms == -2 or 0 < ms <= 1000  # -2: already expired on a stalled machine
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while await a.exists(["c/x", "c/y"]) != [False, False]:
+        assert loop.time() < deadline, "keys with a 1 s TTL still there after 30 s"
+        await asyncio.sleep(0.1)
+    assert [k async for k in a.keys("c/")] == ["c/keep"]
+    await raw.aclose()
+    await b2.close()
     await a.close()
     await b.close()
 
