@@ -478,8 +478,8 @@ class AgentStateConnector(KVConnectorBase_V1):
             replies = [client.ask(request) for client in self._clients]
         except (ConnectionRefusedError, FileNotFoundError) as exc:
             self._lookup_failed(
-                "absent", f"this engine's worker serves no lookups ({exc}): its store is not open (see the"
-                " worker's 'agentstate: this engine runs without its store' line); every prompt is a miss",
+                "absent", f"this engine's worker serves no lookups ({exc}): its store is not open (the"
+                " worker's log says why); every prompt is a miss",
             )  # fmt: skip
             return None
         except OSError as exc:  # TimeoutError and connection errors: the worker is down or slow
@@ -760,8 +760,11 @@ class AgentStateConnector(KVConnectorBase_V1):
             self._count(errors=1)
             # One line, once: its scheduler finds no lookup channel of this engine and answers misses.
             # A directory held by another process (an engine left running) names that process.
-            log.warning("agentstate: this engine runs without its store (no hits, nothing stored): %s",
-                        clip(str(exc), 500) if isinstance(exc, DataDirLockedError) else clip_message(exc, 500))  # fmt: skip
+            if isinstance(exc, DataDirLockedError):
+                why = f"{clip(str(exc), 500)} [an engine left running? stop it, or give this one another path]"
+            else:
+                why = clip_message(exc, 500)
+            log.warning("agentstate: this engine runs without its store (no hits, nothing stored): %s", why)
             self.layout, self.planes = None, []
 
     def _layout(

@@ -8,7 +8,9 @@ JOB: {"model": dir, "connector": extra config dict or null, "chunked_prefill": b
       "probe": optional path of a safetensors file {"kv": canonical [layers, 2, n, heads, dim]},
       "num_blocks": optional KV pool size in blocks, "batched": every round in one generate call,
       "sleep": optional seconds to wait before each round (a tool pause: the store's writes land),
-      "round_metrics": true to read the metrics after every round}
+      "round_metrics": true to read the metrics after every round,
+      "hold": optional {"ready": path, "release": path}: after the rounds, write OUT's rounds to
+              `ready` and keep the engine (and its data directory) alive until `release` exists}
 OUT:  {"rounds": [[{"tokens": [...], "cached": num_cached_tokens, "ttft": s, "e2e": s}]],
        "metrics": {name: value}, "round_metrics": [{name: value} after each round] when asked,
        "probe": BlockProbe.probe_blocks's answer when asked}
@@ -171,6 +173,15 @@ def run(job: dict) -> dict:
         if job.get("round_metrics"):
             out["round_metrics"].append(read_metrics(llm))
     out["metrics"] = read_metrics(llm)
+    hold = job.get("hold")
+    if hold:  # an engine left running: another one is started on the same directory meanwhile
+        tmp = hold["ready"] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f)
+        os.replace(tmp, hold["ready"])
+        deadline = time.monotonic() + hold.get("max_s", 900)
+        while not os.path.exists(hold["release"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
     if job.get("probe"):
         bs = llm.llm_engine.vllm_config.cache_config.block_size
         out["probe"] = llm.collective_rpc("probe_blocks", args=(job["probe"], bs, 1e-3))[0]
