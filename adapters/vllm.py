@@ -212,11 +212,6 @@ def tenant_of(salt: str | None, default: str) -> str:
         return "salt-" + hashlib.blake2b(salt.encode(), digest_size=16).hexdigest()
 
 
-def session_of(params: Any) -> tuple[str, dict[str, Any]] | None:
-    """(session id, state) named by a request's kv_transfer_params, or None (also when malformed)."""
-    return parse_params(params).session
-
-
 # -- metadata: what the scheduler tells the worker each step ------------------------------------------
 
 
@@ -607,8 +602,22 @@ class AgentStateConnector(KVConnectorBase_V1):
             return
         if matched is None:  # cannot happen; fail the load rather than leave the request waiting
             matched = (0, {"keys": [], "chunks": 0, "end": 0})
+        first = matched[0]
+        try:
+            job = self._plan_load(req_id, matched, num_external_tokens, block_ids, tracked.tenant)
+        except Exception as exc:  # noqa: BLE001 - a load with no chunks fails: the request is recomputed
+            self._failed("update_state_after_alloc", exc)
+            job = LoadJob(req_id, [], [], block_ids, first, first + num_external_tokens, tracked.tenant)
+        self._loads.append(job)  # always: vLLM waits for this request's load to be reported
+        self._load_blocks[req_id] = set(block_ids[first // self.block_size : -(-job.end // self.block_size)])
+        # `saved` stays: loaded chunks are offered for saving too, and the worker's dedupe skips them
+        # unless a load found one corrupt (dropped), so the recomputed chunk is stored again.
+
+    def _plan_load(
+        self, req_id: str, matched: tuple[int, dict[str, Any]], count: int, block_ids: list[int], tenant: str
+    ) -> LoadJob:
         first, plan = matched
-        end = first + num_external_tokens
+        end = first + count
         c = self.chunk_tokens
         c0 = first // c
         n_full = min(plan["chunks"], -(-end // c))
@@ -617,10 +626,7 @@ class AgentStateConnector(KVConnectorBase_V1):
         if plan.get("tail_key") and end > n_full * c:
             keys.append(plan["tail_key"])
             spans.append((n_full * c, plan["tail_tokens"]))
-        self._loads.append(LoadJob(req_id, keys, spans, block_ids, first, end, tracked.tenant))
-        self._load_blocks[req_id] = set(block_ids[first // self.block_size : -(-end // self.block_size)])
-        # `saved` stays: loaded chunks are offered for saving too, and the worker's dedupe skips them
-        # unless a load found one corrupt (dropped), so the recomputed chunk is stored again.
+        return LoadJob(req_id, keys, spans, block_ids, first, end, tenant)
 
     @never_raises(lambda *_, **__: AgentStateMetadata())
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -628,6 +634,16 @@ class AgentStateConnector(KVConnectorBase_V1):
                                   hints=self._hint_jobs,
                                   preempted=sorted(scheduler_output.preempted_req_ids or ()))  # fmt: skip
         self._loads, self._sessions, self._released, self._hint_jobs = [], [], [], []
+        try:  # the loads, snapshots and releases above must reach the worker whatever fails here
+            self._plan_saves(scheduler_output, meta)
+        except Exception as exc:  # noqa: BLE001 - this step's saves are lost (a later miss), nothing else
+            self._failed("build_connector_meta", exc)
+        for req_id in scheduler_output.finished_req_ids:
+            self._tracked.pop(req_id, None)
+        return meta
+
+    def _plan_saves(self, scheduler_output: SchedulerOutput, meta: AgentStateMetadata) -> None:
+        """The full chunks this step completes, per running request, as save jobs."""
         c = self.chunk_tokens
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -658,9 +674,6 @@ class AgentStateConnector(KVConnectorBase_V1):
                 SaveJob(req_id, tracked.tenant, tokens, [keys[j] for j in todo], todo, list(tracked.block_ids))
             )
             tracked.saved = end
-        for req_id in scheduler_output.finished_req_ids:
-            self._tracked.pop(req_id, None)
-        return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """The blocks are held while the worker still copies out of them: chunks handed over for
