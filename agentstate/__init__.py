@@ -7,18 +7,15 @@ The names below load on first use, so `import agentstate` (and the CLI's `--help
 from __future__ import annotations
 
 import importlib
-from pathlib import Path as _Path
 from typing import TYPE_CHECKING, Any
 
 from agentstate._version import __version__ as __version__
 from agentstate.errors import AgentStateError
 
-# In a source checkout `backends/` and `adapters/` sit beside this package (the design card's
-# layout) and install as `agentstate.backends` / `agentstate.adapters`; make the same names
-# resolve when running from the checkout without an install.
-_checkout = _Path(__file__).resolve().parent.parent
-if not (_Path(__file__).parent / "backends").is_dir() and (_checkout / "backends" / "__init__.py").is_file():
-    __path__.append(str(_checkout))  # type: ignore[name-defined]
+# `agentstate.backends` and `agentstate.adapters` live in the checkout's top-level `backends/` and
+# `adapters/` folders and are mapped by packaging alone (pyproject's package-dir): a wheel ships them
+# under agentstate/, an editable install's finder maps them. This package's __path__ is never
+# widened, so no other name (such as `agentstate.agentstate`) can resolve to a second copy.
 
 if TYPE_CHECKING:
     from agentstate.client import AsyncClient as AsyncClient

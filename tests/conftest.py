@@ -7,6 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+try:
+    import agentstate.backends  # noqa: F401
+except ModuleNotFoundError as exc:  # a checkout that was never installed: nothing maps the folder
+    raise ImportError("agentstate.backends and agentstate.adapters are the checkout's backends/ and adapters/, "
+                      "mapped by packaging alone: install the checkout first (pip install -e '.[test]')") from exc
+
 from agentstate import ModelSpec, StateStore
 from tests.mooncake_server import MooncakeServer
 from tests.redis_server import RedisCluster, RedisServer

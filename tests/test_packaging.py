@@ -3,6 +3,8 @@ agentstate.adapters), py.typed, the license, one version, and an SDK that import
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -40,10 +42,67 @@ def test_wheel_holds_only_the_agentstate_package(wheel: Path) -> None:
     assert sources - set(names) == set()
 
 
-def test_checkout_imports_resolve_to_the_same_files() -> None:
-    code = "import agentstate.backends.lmdb as m, agentstate.adapters as a; print(m.__file__); print(a.__file__)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    assert out == [str(ROOT / "backends" / "lmdb.py"), str(ROOT / "adapters" / "__init__.py")]
+WHERE = """
+import importlib, json, sys
+import agentstate, agentstate.backends.lmdb as m, agentstate.adapters.vllm_blocks as v
+try:
+    importlib.import_module("agentstate.agentstate")
+    second = True
+except ModuleNotFoundError:
+    second = False
+print(json.dumps({"path": list(agentstate.__path__), "lmdb": m.__file__, "blocks": v.__file__, "second": second}))
+"""
+"""Where the package and its mapped folders import from, and whether a second copy of it resolves."""
+
+
+def _where(python: str | Path, cwd: Path, *args: str) -> dict[str, object]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([str(python), *args, WHERE], cwd=cwd, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("where", ["repo root", "elsewhere"])
+def test_checkout_imports_resolve_to_the_same_files_and_no_second_copy(where: str, tmp_path: Path) -> None:
+    """From the repo root (where ./agentstate is first on sys.path) and from any other directory (the
+    editable install's finder), the same files; `agentstate.agentstate` is no name at all."""
+    assert _where(sys.executable, ROOT if where == "repo root" else tmp_path, "-c") == {
+        "path": [str(ROOT / "agentstate")], "lmdb": str(ROOT / "backends" / "lmdb.py"),
+        "blocks": str(ROOT / "adapters" / "vllm_blocks.py"), "second": False,
+    }  # fmt: skip
+
+
+def test_python_m_pytest_from_the_root_imports_the_checkout(tmp_path: Path) -> None:
+    """`python -m pytest` puts the repo root first on sys.path: the mapped folders still resolve."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(f"def test_probe():\n    exec({WHERE!r})\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:xdist", "-p", "no:cacheprovider",
+                           "--rootdir", str(tmp_path), str(probe)], cwd=ROOT, capture_output=True, text=True,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = next(t for t in done.stdout.splitlines() if t.lstrip(".").startswith("{"))
+    found = json.loads(line.lstrip("."))
+    assert found["lmdb"] == str(ROOT / "backends" / "lmdb.py") and found["second"] is False
+
+
+def test_the_built_wheel_installed_in_a_fresh_venv_imports_the_mapped_folders(wheel: Path, tmp_path: Path) -> None:
+    """The wheel alone, installed where the checkout is out of sight: its dependencies come from this
+    interpreter's site-packages through a .pth line (which runs none of their .pth files, so this
+    checkout's editable finder stays out), and it is run from another directory."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
+                    str(wheel)], check=True, capture_output=True, timeout=300)  # fmt: skip
+    purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                  check=True, capture_output=True, text=True).stdout.strip())  # fmt: skip
+    deps = [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
+    (purelib / "deps.pth").write_text("\n".join(deps) + "\n")
+    installed = purelib / "agentstate"
+    assert _where(python, tmp_path, "-c") == {
+        "path": [str(installed)], "lmdb": str(installed / "backends" / "lmdb.py"),
+        "blocks": str(installed / "adapters" / "vllm_blocks.py"), "second": False,
+    }  # fmt: skip
 
 
 def test_wheel_ships_types_license_and_one_version(wheel: Path) -> None:
