@@ -164,6 +164,11 @@ class StoreConfig(BaseSettings):
         " tiers on eviction; write_through_selective: write_back, plus a write-down after write_through_threshold hits",
     )
     write_through_threshold: int = Field(default=2, ge=1, description="hits before a selective write-down")
+    eviction: str = Field(
+        default="lru", min_length=1,
+        description="order in which cache tiers evict unheld chunks: lru, fifo, or 'package.module:Class' for a policy"
+        " outside the repository (agentstate.chunks.eviction)",
+    )  # fmt: skip
     exclusive: bool = Field(default=False, description="a promoted chunk leaves the cache tier it came from")
     prefetch_policy: Literal["wait_complete", "best_effort", "timeout"] = Field(
         default="wait_complete",

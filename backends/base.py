@@ -78,21 +78,6 @@ class BackendStats(BaseModel):
     evictions: int = 0
 
 
-class Pinnable:
-    """Pin counts for a tier that evicts by itself: a pinned key is never an eviction victim."""
-
-    _pins: Counter[str]
-
-    def pin(self, keys: Sequence[str]) -> None:
-        self._pins.update(keys)
-
-    def unpin(self, keys: Sequence[str]) -> None:
-        self._pins.subtract(keys)
-        for key in keys:
-            if self._pins[key] <= 0:
-                del self._pins[key]
-
-
 class InMemory:
     """The parts of a tier that keeps values in a dict of this process: lookups, deletes, listing.
 

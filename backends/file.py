@@ -9,11 +9,13 @@
 - `put` writes a temp name (`.tmp-*`) in the final directory, fsyncs it, renames it over the final
   name and fsyncs each touched directory once per call: a crash leaves the old state or the new one.
   Temp files of a crash are removed on open and never listed.
-- An in-memory index (key -> file size, in LRU order) is rebuilt by a scan on open, in mtime order.
-  It answers `exists`, `stats` and capacity; reads and `keys()` go to the disk. One process owns a
-  root at a time (the open scan deletes temp files).
+- An in-memory index (key -> file size) is rebuilt by a scan on open. It answers `exists`, `sizes`
+  and `stats`; reads and `keys()` go to the disk. One process owns a root at a time (the open scan
+  deletes temp files).
+- It only stores bytes: capacity, eviction order and pins belong to the chunk layer
+  (`agentstate.chunks.tiers`), which deletes what it evicts through `delete`.
 - `_busy` maps each key with a write or unlink in flight to a future; an operation on a key first
-  waits for it, so a put never races an eviction or delete of the same file.
+  waits for it, so a put never races a delete of the same file.
 """
 
 from __future__ import annotations
@@ -30,20 +32,19 @@ import re
 import secrets
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import unquote
 
-from agentstate.backends.base import Backend, BackendStats, Pinnable, ReadSink, disk_full, fsync_dir
+from agentstate.backends.base import Backend, BackendStats, ReadSink, disk_full, fsync_dir
 
 from agentstate.errors import BackendError, CapacityError, InvalidArgumentError
 from agentstate.memory import host_buffer
 
 log = logging.getLogger(__name__)
-EvictCallback = Callable[[list[str]], None]
 T = TypeVar("T")
 Loc = tuple[str, str, bytes]  # (directory, path, trailer: the key of a long-name file, else b"")
 
@@ -187,8 +188,8 @@ def _byte_view(value: bytes | bytearray | memoryview) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-class FileBackend(Pinnable, Backend):
-    """Durable file-per-key tier: optional O_DIRECT reads, byte capacity with LRU eviction, pins.
+class FileBackend(Backend):
+    """Durable file-per-key tier: optional O_DIRECT reads.
 
     `threads` bounds the files written at once (each read or write is one blocking call on a pool,
     which releases the GIL); reads run on a pool of `read_threads` (default: `threads`, at least 8),
@@ -209,21 +210,17 @@ class FileBackend(Pinnable, Backend):
         self,
         root: str | Path,
         *,
-        capacity_bytes: int | None = None,
-        on_evict: EvictCallback | None = None,
         threads: int = 8,
         read_threads: int | None = None,
         o_direct: bool = False,
         sync: bool = True,
     ) -> None:
-        if capacity_bytes is not None and capacity_bytes < 0:
-            raise InvalidArgumentError("capacity_bytes must be >= 0")
         if threads < 1 or (read_threads is not None and read_threads < 1):
             raise InvalidArgumentError("threads and read_threads must be >= 1")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._root = str(self.root.resolve())
-        self.capacity_bytes, self.on_evict, self.sync = capacity_bytes, on_evict, sync
+        self.sync = sync
         self._direct = bool(o_direct and _O_DIRECT)
         if o_direct and not _O_DIRECT:
             log.info("O_DIRECT does not exist on this platform; %s reads buffered", self._root)
@@ -238,22 +235,15 @@ class FileBackend(Pinnable, Backend):
         self.announce = _FADV_WILLNEED is not None
         self._staging = _Staging(keep=readers)
         self._dirs: set[str] = set()  # shard directories whose own entries are known to be durable
-        self._index: OrderedDict[str, int] = OrderedDict()
-        self._pins: Counter[str] = Counter()
+        self._index: dict[str, int] = {}
         self._busy: dict[str, asyncio.Future[None]] = {}
         self._counts: Counter[str] = Counter()
-        self._used = 0  # bytes of indexed files plus bytes reserved by writes in flight
-        self._writing = 0  # the bytes reserved by writes in flight
+        self._used = 0  # bytes of indexed files
         self._closed = False
-        entries = [e for shard in self._shards() for e in self._list_shard(shard, clean=True)]
-        for key, size, _ in sorted(entries, key=lambda e: e[2]):
-            self._index[key] = size
-            self._used += size
-        victims = self._make_room(0)  # the capacity may have shrunk since the last run
-        for key in victims:
-            _unlink(self._locate(key)[1])
-        if victims and on_evict is not None:
-            on_evict(victims)
+        for shard in self._shards():
+            for key, size, _ in self._list_shard(shard, clean=True):
+                self._index[key] = size
+                self._used += size
 
     # -- naming and scanning -------------------------------------------------------------------
 
@@ -414,13 +404,11 @@ class FileBackend(Pinnable, Backend):
         return await asyncio.gather(*calls, return_exceptions=True)
 
     def _account_reads(self, keys: Sequence[str], results: Sequence[int | BaseException]) -> None:
-        """Count hits, misses and errors (a failed read is a miss the engine recomputes); touch hits."""
+        """Count hits, misses and errors (a failed read is a miss the engine recomputes)."""
         for key, r in zip(keys, results):
             if isinstance(r, BaseException):
                 log.warning("file tier read of %s failed: %r", key, r)
             self._counts["errors" if isinstance(r, BaseException) else "misses" if r < 0 else "reads"] += 1
-            if isinstance(r, int) and r >= 0 and key in self._index:
-                self._index.move_to_end(key)
 
     def _start_reads(self, locs: Sequence[Loc]) -> None:
         """Announce a buffered batch's files on the announcer thread; the reads start without waiting."""
@@ -458,34 +446,19 @@ class FileBackend(Pinnable, Backend):
         self._check()
         if len(keys) != len(values):
             raise InvalidArgumentError("keys and values differ in length")
-        while True:
-            await self._settle(keys)
-            jobs: dict[str, tuple[Loc, memoryview]] = {}
-            for key, value in zip(keys, values):
-                if key in self._index:  # values are immutable: an equal key holds equal bytes
-                    self._index.move_to_end(key)
-                elif key not in jobs:
-                    jobs[key] = (self._locate(key), _byte_view(value))
-            if not jobs:
-                return
-            sizes = {k: len(view) + len(loc[2]) for k, (loc, view) in jobs.items()}
-            try:
-                victims = self._make_room(sum(sizes.values()))  # reserves the bytes, or raises changing nothing
-                break
-            except CapacityError:
-                if not self._writing:  # bytes of writes in flight become evictable once they land
-                    raise
-                await asyncio.wait(set(self._busy.values()), return_when=asyncio.FIRST_COMPLETED)
-        self._writing += sum(sizes.values())
+        await self._settle(keys)
+        jobs: dict[str, tuple[Loc, memoryview]] = {}
+        for key, value in zip(keys, values):
+            if key not in self._index and key not in jobs:  # values are immutable: an equal key holds equal bytes
+                jobs[key] = (self._locate(key), _byte_view(value))
+        if not jobs:
+            return
+        sizes = {k: len(view) + len(loc[2]) for k, (loc, view) in jobs.items()}
+        self._used += sum(sizes.values())  # reserved while in flight
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._busy.update(dict.fromkeys([*jobs, *victims], done))
+        self._busy.update(dict.fromkeys(jobs, done))
         # Shielded: a cancelled caller must not leave files on disk that the accounting forgot.
-        task = asyncio.ensure_future(self._store(jobs, sizes, victims, done))
-        try:
-            error = await asyncio.shield(task)
-        finally:
-            if victims and self.on_evict is not None:
-                self.on_evict(victims)
+        error = await asyncio.shield(asyncio.ensure_future(self._store(jobs, sizes, done)))
         if error is not None:
             if disk_full(self._root, error, sum(sizes.values())):
                 raise CapacityError(f"file tier at {self._root}: the disk is full ({error})") from error
@@ -495,13 +468,11 @@ class FileBackend(Pinnable, Backend):
         self,
         jobs: dict[str, tuple[Loc, memoryview]],
         sizes: dict[str, int],
-        victims: list[str],
         done: asyncio.Future[None],
     ) -> BaseException | None:
         results: list[None | BaseException] = [BackendError("not written")] * len(jobs)
         synced: list[None | BaseException] = []
-        try:  # victims go first, so the bytes on disk never exceed the capacity either
-            await self._gather(_unlink, [self._locate(k)[1] for k in victims])
+        try:
             results = await self._gather(self._write, [loc for loc, _ in jobs.values()], [v for _, v in jobs.values()])
             if self.sync:  # each touched directory once; a shard not yet known durable, its parents too
                 leaves = {loc[0] for loc, _ in jobs.values()}
@@ -511,34 +482,15 @@ class FileBackend(Pinnable, Backend):
                     self._dirs |= leaves
         finally:
             for key, r in zip(jobs, results):
-                self._writing -= sizes[key]
                 if r is None:  # on disk, so indexed, even if its directory's fsync failed below
                     self._index[key] = sizes[key]
                 else:
                     self._used -= sizes[key]
                 self._counts["writes" if r is None else "errors"] += 1
-            for key in [*jobs, *victims]:
+            for key in jobs:
                 self._busy.pop(key, None)
             done.set_result(None)
         return next((r for r in [*results, *synced] if r is not None), None)
-
-    def _make_room(self, need: int) -> list[str]:
-        """Reserve `need` bytes, taking unpinned LRU victims out of the index to make room."""
-        cap, victims, freed = self.capacity_bytes, [], 0
-        if cap is not None and self._used + need > cap:
-            for key, size in self._index.items():
-                if self._used - freed + need <= cap:
-                    break
-                if self._pins[key] <= 0:
-                    victims.append(key)
-                    freed += size
-            if self._used - freed + need > cap:
-                raise CapacityError(f"file tier full: {need} more bytes do not fit in {cap}, {self._used} used")
-            for key in victims:
-                self._used -= self._index.pop(key)
-            self._counts["evictions"] += len(victims)
-        self._used += need
-        return victims
 
     async def delete(self, keys: Sequence[str]) -> None:
         """Unlink files; no fsync, since a deleted value that reappears after a crash is harmless."""
@@ -571,8 +523,8 @@ class FileBackend(Pinnable, Backend):
 
     async def stats(self) -> BackendStats:
         return BackendStats(
-            name=self.name, items=len(self._index), bytes_used=self._used, capacity_bytes=self.capacity_bytes,
-            **{k: self._counts[k] for k in ("reads", "writes", "deletes", "misses", "errors", "evictions")},
+            name=self.name, items=len(self._index), bytes_used=self._used, capacity_bytes=None,
+            **{k: self._counts[k] for k in ("reads", "writes", "deletes", "misses", "errors")},
         )  # fmt: skip
 
     async def close(self) -> None:

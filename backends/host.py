@@ -1,39 +1,34 @@
-"""Host (DRAM) tier: encoded chunks in process memory, byte capacity, LRU eviction, pin counts."""
+"""Host (DRAM) tier: encoded chunks in process memory.
+
+It only stores bytes: capacity, eviction order and pins belong to the chunk layer
+(`agentstate.chunks.tiers`, `agentstate.chunks.eviction`), which tells the index of every chunk it
+drops. A second LRU here would evict behind the index's back.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import mmap
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 
-from agentstate.backends.base import Backend, BackendStats, InMemory, Pinnable, ReadSink, io_pool
-
-from agentstate.errors import CapacityError, InvalidArgumentError
-
-EvictCallback = Callable[[list[str]], None]
+from agentstate.backends.base import Backend, BackendStats, InMemory, ReadSink, io_pool
 
 
-class HostBackend(InMemory, Pinnable, Backend):
-    """An LRU byte cache of encoded chunks.
+class HostBackend(InMemory, Backend):
+    """Encoded chunks in a dict of this process.
 
     `put` keeps the caller's `bytes`/`bytearray`/`mmap` object itself (values are immutable by contract),
-    so storing a freshly encoded chunk copies nothing. Pinned keys are never evicted; when only
-    pinned keys are left and a value does not fit, `put` raises CapacityError for it.
-    Reads copy on a small thread pool so that copies of several chunks use several cores.
+    so storing a freshly encoded chunk copies nothing. Reads copy on a small thread pool so that
+    copies of several chunks use several cores.
     """
 
     name = "host"
     durable = False
     trusted = True
 
-    def __init__(self, capacity_bytes: int, *, on_evict: EvictCallback | None = None, threads: int = 2) -> None:
-        if capacity_bytes < 0:
-            raise InvalidArgumentError("capacity_bytes must be >= 0")
-        self.capacity_bytes = capacity_bytes
-        self.on_evict = on_evict
-        self._items: OrderedDict[str, bytes | bytearray | mmap.mmap] = OrderedDict()
-        self._pins: Counter[str] = Counter()
+    def __init__(self, *, threads: int = 2) -> None:
+        self._items: dict[str, bytes | bytearray | mmap.mmap] = {}
         self._used = 0
         self._pool = io_pool(threads, "agentstate-host")
         self._counts: Counter[str] = Counter()
@@ -48,7 +43,6 @@ class HostBackend(InMemory, Pinnable, Backend):
             if value is None:
                 self._counts["misses"] += 1
             else:
-                self._items.move_to_end(key)
                 self._counts["reads"] += 1
             found.append(value)
         return found
@@ -76,39 +70,18 @@ class HostBackend(InMemory, Pinnable, Backend):
         return [v is not None for v in values]
 
     async def put(self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]) -> None:
-        evicted: list[str] = []
-        try:
-            for key, value in zip(keys, values, strict=True):
-                if key in self._items:
-                    self._items.move_to_end(key)
-                    continue
-                owned = value if isinstance(value, (bytes, bytearray, mmap.mmap)) else bytes(value)
-                evicted += self._make_room(len(owned))
-                self._items[key] = owned
-                self._used += len(owned)
-                self._counts["writes"] += 1
-        finally:
-            if evicted and self.on_evict is not None:
-                self.on_evict(evicted)
-
-    def _make_room(self, size: int) -> list[str]:
-        if size > self.capacity_bytes:
-            raise CapacityError(f"value of {size} bytes exceeds host capacity {self.capacity_bytes}")
-        evicted: list[str] = []
-        victims = iter(list(self._items))
-        while self._used + size > self.capacity_bytes:
-            victim = next((k for k in victims if k not in self._pins), None)
-            if victim is None:
-                raise CapacityError(f"host tier full: {self._used} of {self.capacity_bytes} bytes are pinned")
-            self._used -= len(self._items.pop(victim))
-            evicted.append(victim)
-            self._counts["evictions"] += 1
-        return evicted
+        for key, value in zip(keys, values, strict=True):
+            if key in self._items:
+                continue
+            owned = value if isinstance(value, (bytes, bytearray, mmap.mmap)) else bytes(value)
+            self._items[key] = owned
+            self._used += len(owned)
+            self._counts["writes"] += 1
 
     async def stats(self) -> BackendStats:
         return BackendStats(
-            name=self.name, items=len(self._items), bytes_used=self._used, capacity_bytes=self.capacity_bytes,
-            **{k: self._counts[k] for k in ("reads", "writes", "deletes", "misses", "errors", "evictions")},
+            name=self.name, items=len(self._items), bytes_used=self._used, capacity_bytes=None,
+            **{k: self._counts[k] for k in ("reads", "writes", "deletes", "misses", "errors")},
         )  # fmt: skip
 
     async def close(self) -> None:

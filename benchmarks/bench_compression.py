@@ -114,7 +114,7 @@ def single_thread(values: list[Any], mode: str) -> tuple[float, float, float]:
 
 async def default_pool(values: list[Any], mode: str) -> tuple[float, float]:
     """(compress GB/s, decompress GB/s) through a CompressedBackend over a host tier, all chunks at once."""
-    backend = CompressedBackend(HostBackend(1 << 40), mode, threads=StoreConfig().io_threads)
+    backend = CompressedBackend(HostBackend(), mode, threads=StoreConfig().io_threads)
     keys = [f"c/{i}" for i in range(len(values))]
     logical = sum(len(v) for v in values)
     try:

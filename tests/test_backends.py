@@ -27,7 +27,7 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         b = request.getfixturevalue("mooncake_store").backend(prefix=f"test-{request.node.name}:")
         await b.delete([k async for k in b.keys()])
     elif request.param == "host":
-        b = HostBackend(64 << 20)
+        b = HostBackend()
     elif request.param == "lmdb":
         b = LMDBBackend(tmp_path / "lmdb", map_size=8 << 20)
     else:

@@ -58,7 +58,7 @@ def canonical(cache: Any) -> torch.Tensor:
 
 def backends(tmp: Path) -> dict[str, Callable[[], Any]]:
     return {
-        "host": lambda: HostBackend(1 << 30),
+        "host": lambda: HostBackend(),
         "lmdb": lambda: LMDBBackend(tmp / "lmdb", map_size=64 << 20),
         "file": lambda: FileBackend(tmp / "file", sync=False),
     }
@@ -237,7 +237,7 @@ def test_missing_coder_is_a_missing_dependency_error_and_import_agentstate_needs
         compress.require("lz4")
     assert caught.value.extra == "compress" and "agentstate[compress]" in str(caught.value)
     with pytest.raises(MissingDependencyError):
-        CompressedBackend(HostBackend(1 << 20), "lz4")
+        CompressedBackend(HostBackend(), "lz4")
     code = ("import sys, agentstate, agentstate.store, agentstate.chunks.registry, agentstate.compress;"
             " print(sorted(m for m in sys.modules if m.split('.')[0] in ('zstandard', 'lz4')))")  # fmt: skip
     root = Path(__file__).parents[1]

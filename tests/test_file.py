@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from agentstate.backends.file import FileBackend
 
-from agentstate.errors import CapacityError, InvalidArgumentError
+from agentstate.errors import InvalidArgumentError
 
 SIZES = [1, 4095, 4096, 4097, (1 << 20) + 3]
 ODD_KEYS = [
@@ -221,53 +221,18 @@ async def test_odd_keys_round_trip_and_stay_inside_the_root(tmp_path: Path) -> N
     await b.close()
 
 
-async def test_capacity_evicts_lru_never_exceeds_and_respects_pins(tmp_path: Path) -> None:
-    evicted: list[str] = []
+async def test_stores_bytes_only_eviction_is_the_chunk_layers(tmp_path: Path) -> None:
+    """No capacity, no LRU, no pins here (issue 26): the chunk layer evicts, through `delete`
+    (tests/test_eviction.py: its capacity, order and the disk never passing it)."""
     root = tmp_path / "f"
-    b = FileBackend(root, capacity_bytes=10_000, on_evict=evicted.extend)
+    b = FileBackend(root)
     await b.put(["a", "b", "c"], [b"1" * 3000, b"2" * 3000, b"3" * 3000])
-    await b.get_into(["a"], [memoryview(bytearray(3000))])  # a is now the most recent
-    await b.put(["d"], [b"4" * 3000])
-    assert evicted == ["b"]
-    assert await b.exists(["a", "b", "c", "d"]) == [True, False, True, True]
-    assert (await b.stats()).bytes_used == 9000 == sum(p.stat().st_size for p in all_files(root))
-    b.pin(["a", "c", "d"])
-    with pytest.raises(CapacityError):
-        await b.put(["e"], [b"5" * 3000])
-    assert await b.exists(["a", "c", "d", "e"]) == [True, True, True, False] and evicted == ["b"]
-    b.unpin(["c"])
-    await b.put(["e"], [b"5" * 3000])
-    assert evicted == ["b", "c"] and await b.exists(["a", "c", "d", "e"]) == [True, False, True, True]
-    with pytest.raises(CapacityError):
-        await b.put(["huge"], [b"x" * 10_001])
+    stats = await b.stats()
+    assert (stats.bytes_used, stats.items, stats.capacity_bytes, stats.evictions) == (9000, 3, None, 0)
+    assert stats.bytes_used == sum(p.stat().st_size for p in all_files(root))
     await b.close()
-    b = FileBackend(root, capacity_bytes=6000, on_evict=evicted.extend)  # shrunk: trimmed on open
-    assert (await b.stats()).bytes_used <= 6000 and len(evicted) == 3
-    await b.close()
-
-
-async def test_concurrent_capacity_pressure_never_overshoots(tmp_path: Path) -> None:
-    root = tmp_path / "f"
-    b = FileBackend(root, capacity_bytes=50_000, threads=8)
-    peak = 0
-
-    async def writer(i: int) -> None:
-        nonlocal peak
-        await b.put([f"c/{i}"], [os.urandom(4000)])
-        peak = max(peak, (await b.stats()).bytes_used, disk_bytes(root))
-
-    async def sampler() -> None:  # watches the disk while the writes run, not only between them
-        nonlocal peak
-        while not stop.is_set():
-            peak = max(peak, disk_bytes(root))
-            await asyncio.sleep(0)
-
-    stop = asyncio.Event()
-    watch = asyncio.create_task(sampler())
-    await asyncio.gather(*(writer(i) for i in range(100)))
-    stop.set()
-    await watch
-    assert peak <= 50_000 and (await b.stats()).bytes_used == disk_bytes(root)
+    b = FileBackend(root)  # reopened: the scan finds all of it
+    assert await b.exists(["a", "b", "c"]) == [True] * 3 and (await b.stats()).bytes_used == 9000
     await b.close()
 
 
@@ -296,7 +261,7 @@ def test_aligned_view_helper_is_page_aligned() -> None:
 
 async def test_cancelled_puts_and_racing_deletes_keep_accounting_equal_to_the_disk(tmp_path: Path) -> None:
     root = tmp_path / "f"
-    b = FileBackend(root, capacity_bytes=64 << 20)
+    b = FileBackend(root)
     task = asyncio.ensure_future(b.put([f"c/big{i}" for i in range(8)], [os.urandom(2 << 20) for _ in range(8)]))
     await asyncio.sleep(0.01)
     task.cancel()

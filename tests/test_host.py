@@ -1,41 +1,24 @@
 from __future__ import annotations
 
-import pytest
 from agentstate.backends.host import HostBackend
 
-from agentstate.errors import CapacityError
 
-
-async def test_lru_eviction_never_exceeds_capacity_and_reports_victims() -> None:
-    evicted: list[str] = []
-    host = HostBackend(10_000, on_evict=evicted.extend)
+async def test_stores_bytes_only_eviction_is_the_chunk_layers() -> None:
+    """No capacity, no LRU, no pins here (issue 26): the chunk layer decides what leaves, and tells
+    the index (tests/test_eviction.py); the backend keeps whatever it is given until it is deleted."""
+    host = HostBackend()
     await host.put(["a", "b", "c"], [b"1" * 3000, b"2" * 3000, b"3" * 3000])
-    await host.exists(["a"])
-    await host.get_into(["a"], [memoryview(bytearray(3000))])  # a is now most recent
-    await host.put(["d"], [b"4" * 3000])
-    assert evicted == ["b"]
-    assert await host.exists(["a", "b", "c", "d"]) == [True, False, True, True]
-    assert (await host.stats()).bytes_used == 9000 <= host.capacity_bytes
-    await host.close()
-
-
-async def test_pinned_entries_survive_and_full_pinned_tier_raises() -> None:
-    host = HostBackend(6000)
-    await host.put(["a", "b"], [b"1" * 3000, b"2" * 3000])
-    host.pin(["a", "b"])
-    with pytest.raises(CapacityError):
-        await host.put(["c"], [b"3" * 3000])
-    assert await host.exists(["a", "b", "c"]) == [True, True, False]
-    host.unpin(["a"])
-    await host.put(["c"], [b"3" * 3000])
-    assert await host.exists(["a", "b", "c"]) == [False, True, True]
-    with pytest.raises(CapacityError):
-        await host.put(["huge"], [b"x" * 7000])
+    await host.put(["a"], [b"x" * 10])  # values are immutable: the first copy stands
+    assert await host.exists(["a", "b", "c", "d"]) == [True, True, True, False]
+    stats = await host.stats()
+    assert (stats.bytes_used, stats.items, stats.capacity_bytes, stats.evictions) == (9000, 3, None, 0)
+    await host.delete(["b"])
+    assert await host.exists(["a", "b"]) == [True, False] and (await host.stats()).bytes_used == 6000
     await host.close()
 
 
 async def test_put_keeps_the_callers_object_without_copying() -> None:
-    host = HostBackend(1 << 20)
+    host = HostBackend()
     value = bytearray(b"abc" * 100)
     await host.put(["k"], [value])
     seen = []

@@ -21,7 +21,7 @@ Factory = Callable[[TierConfig, StoreConfig], Backend]
 def _host(cfg: TierConfig, store: StoreConfig) -> Backend:
     from agentstate.backends.host import HostBackend
 
-    return HostBackend(cfg.capacity_bytes if cfg.capacity_bytes is not None else 1 << 62)
+    return HostBackend()
 
 
 def _device(cfg: TierConfig, store: StoreConfig) -> Backend:

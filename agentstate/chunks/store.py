@@ -29,6 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from agentstate.backends.base import Backend, BackendStats, ReadSink, io_pool
+from agentstate.chunks.eviction import make_policy
 from agentstate.chunks.holds import Hold, Holds
 from agentstate.chunks.index import ChunkIndex
 from agentstate.chunks.io import Batch, IOEngine, batches
@@ -141,7 +142,7 @@ class ChunkStore:
     def _tier(self, cfg: TierConfig) -> Tier:
         backend = build_backend(cfg, self.config)
         capacity = cfg.capacity_bytes if cfg.kind in CAPACITY_MANAGED else None
-        return Tier(backend, capacity=capacity, is_device=cfg.kind == "device")
+        return Tier(backend, capacity=capacity, is_device=cfg.kind == "device", policy=make_policy(self.config.eviction))
 
     async def open(self, prefixes: Iterable[str]) -> ChunkStore:
         """Adopt what the local durable tiers hold under `prefixes`: a reopened store finds all it had."""
@@ -176,7 +177,7 @@ class ChunkStore:
         return [
             TierInfo(
                 name=t.name, kind=self._kinds[t.name], durable=t.backend.durable, remote=t.backend.remote,
-                record=t is self._record, capacity_bytes=t.capacity, used_bytes=t.used, chunks=len(t.lru),
+                record=t is self._record, capacity_bytes=t.capacity, used_bytes=t.used, chunks=len(t.sizes),
             )  # fmt: skip
             for t in self._manager.tiers
         ]
@@ -252,7 +253,7 @@ class ChunkStore:
     def held_bytes(self, owner: str) -> dict[str, int]:
         """Per cache tier, the bytes the holds of `owner` claim there and that count (within its share)."""
         return {
-            t.name: self._holds.held_bytes(owner, t.lru, t.capacity)
+            t.name: self._holds.held_bytes(owner, t.sizes, t.capacity)
             for t in self._manager.tiers
             if t.capacity is not None and t is not self._record
         }
@@ -305,7 +306,7 @@ class ChunkStore:
         for tier in self._manager.tiers:
             held = [k for k in dict.fromkeys(keys) if k and self._index.holds(k, tier.name)]
             if tier.capacity is not None:
-                sizes = [tier.lru.get(k, 0) for k in held]
+                sizes = [tier.sizes.get(k, 0) for k in held]
             else:
                 sizes = await tier.backend.sizes(held) if held else []
             out[tier.name] = (len(held), sum(sizes))
@@ -497,7 +498,7 @@ class ChunkStore:
         demoted_before = self._manager.counts["demotions"]
         async with tier.lock:
             names = self._manager.eviction_order(tier)
-            sizes = dict(tier.lru) if tier.capacity is not None else dict(zip(names, await tier.backend.sizes(names)))
+            sizes = dict(tier.sizes) if tier.capacity is not None else dict(zip(names, await tier.backend.sizes(names)))
             used = before = sum(sizes.values())
             victims = [k for k in dict.fromkeys(keys) if k in sizes] if keys is not None else names
             evicted = evicted_bytes = skipped = 0
@@ -564,7 +565,16 @@ class ChunkStore:
         return out
 
     async def stats(self) -> list[BackendStats]:
-        return [await t.backend.stats() for t in self._manager.tiers]
+        """Each tier's backend figures; a cache tier's capacity and evictions are the chunk layer's
+        (backends store bytes; eviction is decided here)."""
+        out = []
+        for t in self._manager.tiers:
+            stats = await t.backend.stats()
+            if t.capacity is not None:
+                evictions = self._manager.tier_counts[(t.name, "evictions")]
+                stats = stats.model_copy(update={"capacity_bytes": t.capacity, "evictions": evictions})
+            out.append(stats)
+        return out
 
     async def flush(self) -> None:
         """Wait until background work (promotions of chunks read from slow tiers) is done."""

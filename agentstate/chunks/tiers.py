@@ -1,8 +1,10 @@
-"""The tier manager: ordered tiers, byte capacities, LRU, promotion, demotion, write policies.
+"""The tier manager: ordered tiers, byte capacities, promotion, demotion, write policies.
 
 Tiers are ordered fast to slow. Exactly one is the *record* tier (durable; sessions commit to
-it); tiers above it are caches with a byte capacity, evicted LRU over unpinned chunks, except that
-chunks a hold names (agent hints, retention: `holds.py`) go last. A victim
+it); tiers above it are caches with a byte capacity, evicted over unpinned chunks in the order of
+the tier's eviction policy (`chunks/eviction/`, LRU by default), except that chunks a hold names
+(agent hints, retention: `holds.py`) go last. This is the only place that evicts: backends store
+bytes and never drop one by themselves. A victim
 that no tier below holds is written down first (demotion), so eviction never loses the only
 copy. Accounting is by value bytes and exact: a tier's used bytes never exceed its capacity.
 
@@ -19,13 +21,15 @@ import asyncio
 import contextlib
 import logging
 import mmap
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from agentstate.backends.base import Backend
-from agentstate.chunks.holds import Holds, victim
+from agentstate.chunks.eviction import EvictionPolicy
+from agentstate.chunks.eviction.lru import LRU
+from agentstate.chunks.holds import Holds
 from agentstate.chunks.index import ChunkIndex
 from agentstate.errors import AgentStateError, CapacityError, InvalidArgumentError
 from agentstate.memory import copy_bytes
@@ -40,7 +44,8 @@ class Tier:
     backend: Backend
     capacity: int | None = None
     is_device: bool = False
-    lru: OrderedDict[str, int] = field(default_factory=OrderedDict)  # key -> bytes, oldest first
+    policy: EvictionPolicy = field(default_factory=LRU)
+    """what the tier holds (key -> bytes) and the order eviction takes it in"""
     used: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     inflight: dict[str, asyncio.Future[None]] = field(default_factory=dict)
@@ -48,6 +53,21 @@ class Tier:
     @property
     def name(self) -> str:
         return self.backend.name
+
+    @property
+    def sizes(self) -> Mapping[str, int]:
+        """Key -> stored bytes of what the tier holds (the mapping holds track)."""
+        return self.policy.sizes
+
+    def add(self, key: str, size: int) -> None:
+        """Account `key` (`size` bytes) as in the tier."""
+        if key not in self.policy:
+            self.policy.insert(key, size)
+            self.used += size
+
+    def drop(self, key: str) -> None:
+        """Account `key` as gone from the tier."""
+        self.used -= self.policy.remove(key)
 
 
 class TierManager:
@@ -78,7 +98,7 @@ class TierManager:
         self.holds = holds if holds is not None else Holds()
         for t in self.tiers:
             if t.capacity is not None:  # what plans are made for: holds keep them, told below of each change
-                self.holds.track(t.lru)
+                self.holds.track(t.sizes)
         self.counts: Counter[str] = Counter()
         self.tier_counts: Counter[tuple[str, str]] = Counter()
         """(tier, what) -> amount: hits, misses, read_bytes, written_bytes, corrupt, evictions, promotions,
@@ -112,9 +132,8 @@ class TierManager:
             tier = self.tier(name)
             sizes = await tier.backend.sizes(keys) if tier.capacity is not None else [0] * len(keys)
             for key, size in zip(keys, sizes):
-                tier.lru[key] = size
-                tier.used += size
-            self.holds.tier_changed(tier.lru, keys)
+                tier.add(key, size)
+            self.holds.tier_changed(tier.sizes, keys)
             self.index.add(keys, name)
 
     # -- writes --------------------------------------------------------------------------------
@@ -161,10 +180,10 @@ class TierManager:
         """Record what a remote tier said it holds (other hosts write and delete there too)."""
         for key, hit in zip(keys, present):
             if hit:
-                tier.lru.setdefault(key, 0)
+                tier.add(key, 0)
             else:
-                tier.used -= tier.lru.pop(key, 0)
-        self.holds.tier_changed(tier.lru, keys)
+                tier.drop(key)
+        self.holds.tier_changed(tier.sizes, keys)
         self.index.add([k for k, hit in zip(keys, present) if hit], tier.name)
         self.index.discard([k for k, hit in zip(keys, present) if not hit], tier.name)
 
@@ -182,22 +201,21 @@ class TierManager:
             originals.setdefault(key, value)  # a key twice in one batch: the first value stands, in every tier
         stored = dict(originals)
         if getattr(tier.backend, "compresses", False):  # a compressing tier's capacity is spent in stored bytes
-            todo = [k for k in stored if k not in tier.lru]
+            todo = [k for k in stored if k not in tier.policy]
             stored.update(zip(todo, await tier.backend.compress(todo, [stored[k] for k in todo])))
         async with tier.lock if tier.capacity is not None else contextlib.nullcontext():
-            new = [(k, stored[k]) for k in originals if k not in tier.lru]
+            new = [(k, stored[k]) for k in originals if k not in tier.policy]
             fits, spill = [], []
-            plan = self.holds.plan(tier.lru, tier.capacity) if tier.capacity is not None and new else {}
+            plan = self.holds.plan(tier.sizes, tier.capacity) if tier.capacity is not None and new else {}
             for key, value in new:
                 if tier.capacity is None or await self._make_room(tier, len(value), {k for k, _ in new}, plan):
-                    tier.used += len(value)  # reserve now, so later items of the batch see it
-                    tier.lru[key] = len(value)
+                    tier.add(key, len(value))  # reserve now, so later items of the batch see it
                     tier.inflight[key] = done
                     fits.append((key, value))
                 else:
                     spill.append((key, value))
             # the batch's plan stays the one made before it, as eviction of the batch's own room saw it
-            self.holds.tier_changed(tier.lru, [k for k, _ in fits])
+            self.holds.tier_changed(tier.sizes, [k for k, _ in fits])
         # The record tier takes no lock: concurrent puts reach the backend together (group commit).
         try:
             if fits:
@@ -215,9 +233,7 @@ class TierManager:
                 if tier.inflight.get(key) is done:
                     del tier.inflight[key]
         self.index.add([k for k, _ in fits], tier.name)
-        for key in keys:
-            if key in tier.lru:
-                tier.lru.move_to_end(key)
+        tier.policy.touch(keys)
         if waits:
             await asyncio.gather(*waits)
         if spill:
@@ -230,14 +246,13 @@ class TierManager:
                 raise CapacityError(f"tier {tier.name} is full and nothing in it can be evicted")
 
     def _unreserve(self, tier: Tier, items: Sequence[tuple[str, Value]]) -> None:
-        for key, value in items:
-            if tier.lru.pop(key, None) is not None:
-                tier.used -= len(value)
-        self.holds.tier_changed(tier.lru, [k for k, _ in items])
+        for key, _ in items:
+            tier.drop(key)
+        self.holds.tier_changed(tier.sizes, [k for k, _ in items])
 
     async def _make_room(self, tier: Tier, size: int, keep: set[str], plan: Mapping[str, float]) -> bool:
-        """Evict unpinned chunks until `size` more bytes fit: LRU among the unheld ones, then the held
-        one expected back last (`plan`, from `Holds.plan`). Caller holds `tier.lock`."""
+        """Evict unpinned chunks until `size` more bytes fit: the tier's policy order among the unheld
+        ones, then the held one expected back last (`plan`, from `Holds.plan`). Caller holds `tier.lock`."""
         assert tier.capacity is not None
         if size > tier.capacity:
             return False
@@ -246,26 +261,23 @@ class TierManager:
             return key not in keep and key not in tier.inflight and not self.index.pinned(key)
 
         while tier.used + size > tier.capacity:
-            key = victim(tier.lru, can_go, plan)
+            key = tier.policy.victim(can_go, plan)
             if key is None:
                 return False
             await self.evict(tier, key)
         return True
 
     def eviction_order(self, tier: Tier) -> list[str]:
-        """The keys of a cache tier in the order eviction takes them (unheld LRU, then held)."""
-        plan = self.holds.plan(tier.lru, tier.capacity)
-        unheld = [k for k in tier.lru if k not in plan]
-        held = [k for k in tier.lru if k in plan]  # ties in LRU order, as `victim` breaks them
-        return unheld + sorted(held, key=lambda k: -plan[k])
+        """The keys of a cache tier in the order eviction takes them (unheld in policy order, then held)."""
+        return tier.policy.eviction_order(self.holds.plan(tier.sizes, tier.capacity))
 
     def release(self, keys: Sequence[str]) -> None:
         """Put `keys` first in line for eviction in every cache tier (a session that is done)."""
         for tier in self.tiers:
             if tier is not self.record and tier.capacity is not None:
                 for key in keys:
-                    if key in tier.lru and not self.holds.held(key):
-                        tier.lru.move_to_end(key, last=False)
+                    if key in tier.policy and not self.holds.held(key):
+                        tier.policy.release(key)
 
     async def evict(self, tier: Tier, key: str) -> None:
         """Drop `key` from a cache tier, writing it down first when no tier below holds it."""
@@ -285,8 +297,8 @@ class TierManager:
 
     async def _remove(self, tier: Tier, keys: Sequence[str]) -> None:
         for key in keys:
-            tier.used -= tier.lru.pop(key, 0)
-        self.holds.tier_changed(tier.lru, keys)
+            tier.drop(key)
+        self.holds.tier_changed(tier.sizes, keys)
         self.index.discard(keys, tier.name)
         await tier.backend.delete(keys)
 
@@ -309,9 +321,7 @@ class TierManager:
         `account=False` promotes without counting another hit (a background re-read).
         """
         if account:
-            for key in keys:
-                if key in tier.lru:
-                    tier.lru.move_to_end(key)
+            tier.policy.touch(keys)
             self.index.touch(keys)
         if values:
             upper = self.tiers[: self._pos[tier.name]]
