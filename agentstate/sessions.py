@@ -10,7 +10,6 @@ session's version. Chunks are touched only through the ChunkStore's public metho
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 from collections import Counter
@@ -18,29 +17,27 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 
-from agentstate.catalog import Committed
+from agentstate.catalog import Committed, named_keys
 from agentstate.errors import (
     AgentStateError,
     ConflictError,
     CorruptDataError,
-    InvalidArgumentError,
     KVShapeError,
     SessionNotFoundError,
     SpecMismatchError,
 )
 from agentstate.hints import Hint, HintKind, HintResult, paused_hold_s
-from agentstate.keys import tail_key, token_array, validate_id
+from agentstate.keys import tail_key, validate_id
 from agentstate.manifest import ResumeResult, SessionManifest, now
+from agentstate.snapshots import MAX_STATE_DEPTH as MAX_STATE_DEPTH
+from agentstate.snapshots import check_snapshot, hold_retained, snapshot_manifest, write_session
 from agentstate.store_base import StoreBase
 from agentstate.target import KVTarget, TensorTarget
 from agentstate.usage import Usage
 
 log = logging.getLogger("agentstate.sessions")
 _FORCE_RETRIES = 16
-MAX_STATE_DEPTH = 128
-"""Deepest nesting of application state: the manifest parser stops at 200 levels of JSON."""
 
 
 class SessionOps(StoreBase):
@@ -74,23 +71,11 @@ class SessionOps(StoreBase):
         until then, whatever the TTL. While either is in force its chunks are also held in the
         fast tiers (after hinted sessions, within the tenant's share); eviction only moves them down.
         """
-        validate_id(session_id)
-        packed = token_array(tokens)
-        if not packed:
-            raise InvalidArgumentError("a session needs at least one token")
-        self.spec.check_kv(kv, len(packed))
-        state = _json_object(state)
-        _check_options(ttl_seconds=ttl_seconds, pinned=pinned, expected_version=expected_version, force=force)
-        _check_seconds("guaranteed_until", guaranteed_until)
-        record_ttl = self.chunks.record_ttl_s
-        if guaranteed_until is not None and record_ttl is not None and guaranteed_until > now() + record_ttl:
-            raise InvalidArgumentError(
-                f"guaranteed_until is {guaranteed_until - now():.0f}s away, but the record tier"
-                f" {self.chunks.record_tier!r} expires chunks after {record_ttl:g}s: the contract could not be kept"
-            )
-        keys = self._keys(packed)
-        full = len(keys) * self.chunk_tokens
-        async with self._session_lock(session_id):
+        request = check_snapshot(
+            self, session_id, tokens, state, kv=kv, ttl_seconds=ttl_seconds, guaranteed_until=guaranteed_until,
+            pinned=pinned, expected_version=expected_version, force=force,
+        )  # fmt: skip
+        async with self.session_lock(session_id):
             prev = await self.catalog.get(self.tenant, session_id)
             base = prev.version if prev else 0
             if prev is not None and prev.fingerprint != self.fingerprint and not force:
@@ -100,50 +85,22 @@ class SessionOps(StoreBase):
                 )
             if expected_version is not None and expected_version != base and not force:
                 raise ConflictError(f"session {session_id!r} is at version {base}, expected {expected_version}")
-            tkey = tail_key(self.fingerprint, self.tenant, session_id, base + 1) if len(packed) > full else None
-            stamp = now()
-            manifest = _manifest_or_invalid(
-                session_id=session_id, tenant=self.tenant, fingerprint=self.fingerprint,
-                chunk_tokens=self.chunk_tokens, tokens=packed.tolist(), chunk_keys=keys, tail_key=tkey,
-                state=state, version=base + 1, parent=prev.parent if prev else None,
-                created_at=prev.created_at if prev else stamp, updated_at=stamp,
-                ttl_seconds=ttl_seconds, guaranteed_until=guaranteed_until, pinned=pinned, lossy=self.config.lossy,
-            )  # fmt: skip
-            named = keys + ([tkey] if tkey else [])
-            written = 0
+            manifest = snapshot_manifest(self, request, prev)
+            tkey = manifest.tail_key
             try:
-                with self.chunks.pinned(named):
-                    new = await self.chunks.missing(keys, durable=True)
-                    slices = self._slices(kv, len(keys))
-                    write_keys = [keys[i] for i in new] + ([tkey] if tkey else [])
-                    write_kv = [slices[i] for i in new] + ([kv[:, :, full:]] if tkey else [])
-                    if write_keys:
-                        written = await self.chunks.write(write_keys, write_kv, durable=True)
+                with self.chunks.pinned(named_keys(manifest)):
+                    written = await write_session(self.chunks, manifest, kv)
                     manifest = manifest.model_copy(update={"updated_at": now()})
                     manifest, committed = await self._commit(manifest, base, force=force)
             except BaseException as exc:
-                await self._discard_attempt(keys, tkey, exc)
+                await self._discard_attempt(request.keys, tkey, exc)
                 raise
-            tail = len(packed) - full
-            self.usage_log.add(self.tenant, session_id, {
-                "snapshots": 1, "tokens_written": len(new) * self.chunk_tokens + tail,
-                "tokens_deduped": (len(keys) - len(new)) * self.chunk_tokens, "bytes_written": written,
-            })  # fmt: skip
-            self._retain(manifest)
+            self.usage_log.add(self.tenant, session_id, written.usage(manifest))
+            hold_retained(self.chunks, manifest)
             await self._collect(committed.zeroed)
             if committed.old_tail and committed.old_tail != tkey:
                 await self.chunks.delete([committed.old_tail])
         return manifest
-
-    def _retain(self, manifest: SessionManifest) -> None:
-        """Hold a session's chunks in the fast tiers while its retention contract is in force."""
-        name = f"retain:{manifest.tenant}/{manifest.session_id}"
-        stamp = now()
-        until = manifest.retained_until(stamp)
-        if until is None:
-            self.chunks.release(name)
-        else:
-            self.chunks.hold(name, manifest.tenant, _named(manifest), for_s=until - stamp, kind="retention")
 
     async def _discard_attempt(self, keys: Sequence[str], tkey: str | None, exc: BaseException) -> None:
         """Remove what a failed snapshot or fork wrote, from every tier, unless it committed after all.
@@ -211,7 +168,7 @@ class SessionOps(StoreBase):
             raise KVShapeError(
                 f"into holds {target.num_tokens} tokens, session {session_id!r} has {manifest.num_tokens}"
             )
-        keys = _named(manifest)
+        keys = named_keys(manifest)
         usage: Counter[str] = Counter()
         lossy: set[str] = set()
         with self.chunks.pinned(keys):
@@ -221,7 +178,7 @@ class SessionOps(StoreBase):
             spans = self._spans(len(manifest.chunk_keys), manifest.num_tokens, manifest.chunk_tokens)
             ok = await self.chunks.read(keys, spans, target, usage=usage, lossy=lossy)
         target.synchronize()
-        lead = _leading(ok)
+        lead = leading(ok)
         restored = manifest.num_tokens if lead == len(keys) else lead * manifest.chunk_tokens
         usage.update(resumes=1, tokens_read=restored, tokens_recomputed=manifest.num_tokens - restored)
         self.usage_log.add(self.tenant, session_id, usage)
@@ -253,7 +210,7 @@ class SessionOps(StoreBase):
         """
         validate_id(source_id)
         validate_id(new_id)
-        async with self._session_lock(new_id):
+        async with self.session_lock(new_id):
             if await self.catalog.get(self.tenant, new_id) is not None:
                 raise ConflictError(f"session {new_id!r} already exists")
             for _ in range(_FORCE_RETRIES):
@@ -278,7 +235,7 @@ class SessionOps(StoreBase):
                     except BaseException as exc:
                         await self._discard_attempt([], tkey, exc)
                         raise
-                self._retain(manifest)
+                hold_retained(self.chunks, manifest)
                 return manifest
         raise ConflictError(f"session {source_id!r} kept changing while it was forked")
 
@@ -297,7 +254,7 @@ class SessionOps(StoreBase):
         """Remove a session; chunks no other session or prefix references are deleted (shared
         stores: by the next gc, see `gc`)."""
         validate_id(session_id)
-        async with self._session_lock(session_id):
+        async with self.session_lock(session_id):
             manifest, zeroed = await self.catalog.remove(self.tenant, session_id)
             if manifest is None:
                 raise SessionNotFoundError(f"no session {session_id!r}")
@@ -320,7 +277,7 @@ class SessionOps(StoreBase):
         stamp = now()
         manifest.last_hit_at = max(stamp, manifest.last_hit_at or 0.0)
         self.usage_log.hit(self.tenant, manifest.session_id, stamp)
-        self._retain(manifest)
+        hold_retained(self.chunks, manifest)
 
     async def hint(self, session_id: str, hint: HintKind | Hint, expected_s: float | None = None) -> HintResult:
         """Tell the store what comes next for a session (see `agentstate.hints`).
@@ -340,7 +297,7 @@ class SessionOps(StoreBase):
         else:
             self._hit(manifest)
         return await self._apply_hint(
-            f"hint:{self.tenant}/{session_id}", session_id, _named(manifest), _key_tokens(manifest), parsed
+            f"hint:{self.tenant}/{session_id}", session_id, named_keys(manifest), _key_tokens(manifest), parsed
         )
 
     async def _apply_hint(
@@ -401,7 +358,7 @@ class SessionOps(StoreBase):
             return Usage.of(self.tenant, None, await self.usage_log.read(self.tenant, None))
         manifest = await self._manifest(session_id)
         counts = await self.usage_log.read(self.tenant, session_id)
-        resident = await self.chunks.resident(_named(manifest))
+        resident = await self.chunks.resident(named_keys(manifest))
         stored = {tier: size for tier, (n, size) in resident.items() if n}
         return Usage.of(self.tenant, session_id, counts, last_hit_at=manifest.last_hit_at, bytes_stored=stored)
 
@@ -430,75 +387,14 @@ class SessionOps(StoreBase):
         return removed + await self.chunks.sweep(self.key_prefixes, self.catalog.refcounts)
 
 
-def _check_options(*, ttl_seconds: Any, pinned: Any, expected_version: Any, force: Any) -> None:
-    """Snapshot options, checked before anything is written."""
-    _check_seconds("ttl_seconds", ttl_seconds)
-    if not isinstance(pinned, bool) or not isinstance(force, bool):
-        raise InvalidArgumentError("pinned and force must be booleans")
-    if expected_version is not None and (
-        isinstance(expected_version, bool) or not isinstance(expected_version, int) or expected_version < 0
-    ):
-        raise InvalidArgumentError(f"expected_version must be an int >= 0, got {expected_version!r}")
-
-
-def _check_seconds(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidArgumentError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidArgumentError(f"{name} must be finite and > 0, got {value!r}")
-
-
-def _named(manifest: SessionManifest) -> list[str]:
-    """Every key a session's KV is in: its chunks, then its tail."""
-    return [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
-
-
 def _key_tokens(manifest: SessionManifest) -> list[int]:
-    """Tokens in each of `_named(manifest)`."""
+    """Tokens in each of `named_keys(manifest)`."""
     return [manifest.chunk_tokens] * len(manifest.chunk_keys) + ([manifest.tail_tokens] if manifest.tail_key else [])
 
 
-def _manifest_or_invalid(**fields: Any) -> SessionManifest:
-    try:
-        return SessionManifest(**fields)
-    except ValidationError as exc:
-        raise InvalidArgumentError(f"invalid session: {exc}") from None
-
-
-def _leading(ok: Sequence[bool]) -> int:
+def leading(ok: Sequence[bool]) -> int:
+    """How many of `ok` are true before the first false: the chunks a read restored, from the start."""
     for i, good in enumerate(ok):
         if not good:
             return i
     return len(ok)
-
-
-def _json_object(state: dict[str, Any] | None) -> dict[str, Any]:
-    """`state` as the JSON the manifest will hold, or InvalidArgumentError before anything is written.
-
-    Refused: what JSON cannot say (NaN, bytes, objects), lone surrogates (not UTF-8), and nesting
-    deeper than MAX_STATE_DEPTH, which the manifest's JSON parser would refuse on every resume.
-    """
-    if state is None:
-        return {}
-    if not isinstance(state, dict):
-        raise InvalidArgumentError(f"state must be a JSON object (dict), got {type(state).__name__}")
-    if _depth(state, MAX_STATE_DEPTH) > MAX_STATE_DEPTH:
-        raise InvalidArgumentError(f"state is nested deeper than {MAX_STATE_DEPTH} levels")
-    try:
-        return json.loads(json.dumps(state, allow_nan=False, ensure_ascii=False).encode())
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise InvalidArgumentError(f"state is not JSON-serializable: {exc}") from None
-
-
-def _depth(value: Any, limit: int) -> int:
-    """Nesting depth of dicts and lists in `value`, counted up to `limit + 1` (cycles included)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, level = todo.pop()
-        if isinstance(item, dict | list | tuple):
-            deepest = max(deepest, level)
-            if level <= limit:
-                todo.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest

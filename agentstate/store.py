@@ -19,7 +19,7 @@ from agentstate.errors import AgentStateError, InvalidArgumentError
 from agentstate.hints import Hint, HintKind, HintResult
 from agentstate.keys import ChunkKey, token_array, validate_id
 from agentstate.manifest import MatchResult
-from agentstate.sessions import SessionOps, _leading
+from agentstate.sessions import SessionOps, leading
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget
 
@@ -177,7 +177,7 @@ class StateStore(SessionOps):
             staged = prefetch.staged if prefetch else None
             ok = await self.chunks.read(keys[:n], self._spans(n), target, staged=staged, usage=usage)
         target.synchronize()
-        landed = _leading(ok) * self.chunk_tokens
+        landed = leading(ok) * self.chunk_tokens
         usage.update(loads=1, tokens_read=landed, tokens_recomputed=len(packed) - landed)
         self.usage_log.add(self.tenant, None, usage)
         return landed

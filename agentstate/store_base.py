@@ -102,7 +102,10 @@ class StoreBase:
         return [kv[:, :, i * c : (i + 1) * c] for i in range(count)]
 
     @contextlib.asynccontextmanager
-    async def _session_lock(self, session_id: str) -> AsyncIterator[None]:
+    async def session_lock(self, session_id: str) -> AsyncIterator[None]:
+        """Hold the one writer's place of this tenant's session in this process (every tenant view
+        shares it): what snapshot, fork and delete take, and what an import holds for each session
+        it replaces from its check to its commit, so none of them runs in between."""
         async with self._locks.hold(f"{self.tenant}/{session_id}"):
             yield
 

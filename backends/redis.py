@@ -135,12 +135,12 @@ class RedisBackend(Backend):
             self._client = aioredis.Redis.from_url(url, **opts)
         # Exception, not just RedisError: redis-py can fail internally when a node drops mid-write
         # (e.g. AttributeError on a connection it just closed); for a remote tier that is an outage.
-        self._errors: tuple[type[BaseException], ...] = (Exception,)
+        self.client_errors: tuple[type[BaseException], ...] = (Exception,)
         self._refusal = refusal_of
         self.prefix, self.ttl_seconds, self.timeout_s = prefix, ttl_seconds, timeout_s
         self.cluster = cluster
         parsed = urlsplit(url)
-        self._server = f"{parsed.hostname or '127.0.0.1'}:{parsed.port or 6379}"  # never the password
+        self.server = f"{parsed.hostname or '127.0.0.1'}:{parsed.port or 6379}"  # never the password
         self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown_s)
         self._node_breakers: dict[str, CircuitBreaker] = {}
         self._counts: Counter[str] = Counter()
@@ -150,15 +150,36 @@ class RedisBackend(Backend):
         config = wire.wire_config(url)
         self._wire = WireReader(self, config, connections, retries) if config else None
 
-    def _k(self, key: str) -> str:
+    def stored_key(self, key: str) -> str:
+        """The name `key` is stored under in Redis (this tier's prefix added)."""
         return self.prefix + key
 
-    def _breaker(self, node: str | None) -> CircuitBreaker:
+    def breaker_of(self, node: str | None) -> CircuitBreaker:
+        """The breaker of `node` (a cluster node's name), or the tier's (None: a single server)."""
         if node is None:
             return self.breaker
         if node not in self._node_breakers:
             self._node_breakers[node] = CircuitBreaker(self.breaker.threshold, self.breaker.cooldown_s)
         return self._node_breakers[node]
+
+    def gate(self) -> asyncio.Semaphore:
+        """What bounds this tier's calls in flight (`max_in_flight`), on either read path: made on
+        first use, inside the running loop."""
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(self._max_in_flight)
+        return self._gate
+
+    def count(self, **deltas: int) -> None:
+        """Add to what `counters()` reports (reads, misses, errors, refused, bad_replies, ...)."""
+        self._counts.update(deltas)
+
+    async def load_slot_map(self) -> None:
+        """A cluster's slot map, fetched once (a no-op once known); `node_of` reads it."""
+        await self._client.initialize()
+
+    def node_of(self, key: str) -> Any:
+        """The cluster node (redis-py's: name, host, port) that owns `key`, by the slot map."""
+        return self._client.get_node_from_key(self.stored_key(key))
 
     @property
     def trips(self) -> int:
@@ -168,7 +189,7 @@ class RedisBackend(Backend):
     def breakers(self) -> dict[str, CircuitBreaker]:
         """Every breaker by node: the server's `host:port`; in a cluster each node's name seen so far,
         and `cluster` for calls not routed to one node (key listing)."""
-        return {("cluster" if self.cluster else self._server): self.breaker, **self._node_breakers}
+        return {("cluster" if self.cluster else self.server): self.breaker, **self._node_breakers}
 
     def counters(self) -> dict[str, int]:
         """What this process counted (reads, misses, writes, deletes, errors, refused): no call to Redis."""
@@ -185,8 +206,8 @@ class RedisBackend(Backend):
             if self.cluster:
                 info = await asyncio.wait_for(self._client.info("memory", target_nodes="primaries"), self.timeout_s)
             else:
-                info = {self._server: await asyncio.wait_for(self._client.info("memory"), self.timeout_s)}
-        except self._errors as exc:
+                info = {self.server: await asyncio.wait_for(self._client.info("memory"), self.timeout_s)}
+        except self.client_errors as exc:
             log.debug("redis INFO memory failed (%s: %s)", type(exc).__name__, exc)
             return {}
         return {node: (int(i.get("used_memory", 0)), int(i.get("maxmemory", 0))) for node, i in info.items()}
@@ -194,16 +215,14 @@ class RedisBackend(Backend):
     async def _call(self, op: Callable[[], Awaitable[T]], node: str | None = None) -> T:
         """Run one round trip under the timeout and the breaker (of `node` in a cluster); failures
         raise BackendError."""
-        breaker = self._breaker(node)
+        breaker = self.breaker_of(node)
         if breaker.open:
             self._counts["errors"] += 1
             raise BackendError(f"redis {node or 'tier'} unavailable (circuit open)")
-        if self._gate is None:
-            self._gate = asyncio.Semaphore(self._max_in_flight)  # bounded connections, like any pool
         try:
-            async with self._gate:
+            async with self.gate():
                 result = await asyncio.wait_for(op(), self.timeout_s)
-        except self._errors as exc:
+        except self.client_errors as exc:
             refused = self._refusal(exc)
             if refused is not None:  # the node is up and answered: not a failure of its health
                 breaker.success()
@@ -250,22 +269,22 @@ class RedisBackend(Backend):
         errors = [] if errors is None else errors
         if not self.cluster:
             try:
-                return await self._pipeline(lambda p: [command(p, self._k(k)) for k in keys], None, errors)
+                return await self._pipeline(lambda p: [command(p, self.stored_key(k)) for k in keys], None, errors)
             except AgentStateError as exc:
                 errors.append(exc)
                 return [FAILED] * len(keys)
         groups: dict[str, list[int]] = {}
         try:
-            await self._client.initialize()  # the slot map (a no-op once known)
+            await self.load_slot_map()
             for i, key in enumerate(keys):
-                groups.setdefault(self._client.get_node_from_key(self._k(key)).name, []).append(i)
-        except self._errors:
+                groups.setdefault(self.node_of(key).name, []).append(i)
+        except self.client_errors:
             groups = {"?": list(range(len(keys)))}  # no slot map: let the client route (and fail) it all
         out: list[Any] = [FAILED] * len(keys)
 
         async def run(node: str, idx: list[int]) -> None:
             try:
-                got = await self._pipeline(lambda p: [command(p, self._k(keys[i])) for i in idx], node, errors)
+                got = await self._pipeline(lambda p: [command(p, self.stored_key(keys[i])) for i in idx], node, errors)
             except AgentStateError as exc:
                 errors.append(exc)
                 return
@@ -277,10 +296,11 @@ class RedisBackend(Backend):
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         if self._wire is None or not keys:
-            return await self._py_exists(keys)
+            return await self.exists_via_client(keys)
         return await self._wire.exists(keys)
 
-    async def _py_exists(self, keys: Sequence[str]) -> list[bool]:
+    async def exists_via_client(self, keys: Sequence[str]) -> list[bool]:
+        """EXISTS through redis-py: the wire reader's fallback for the keys it cannot settle (MOVED, ...)."""
         got = await self._per_key(keys, lambda p, k: p.exists(k)) if keys else []
         return [v is not FAILED and bool(v) for v in got]  # an unreachable node holds nothing we can use
 
@@ -296,7 +316,7 @@ class RedisBackend(Backend):
         if not keys:
             return []
         if self._wire is None:
-            return await self._py_read(keys, sink)
+            return await self.read_via_client(keys, sink)
         sinks = [lambda view, i=i: sink(i, view) for i in range(len(keys))]  # type: ignore[misc]
         return [n >= 0 for n in await self._wire.read(keys, sinks)]
 
@@ -308,11 +328,13 @@ class RedisBackend(Backend):
         if not keys:
             return []
         if self._wire is None:
-            return await self._py_read(keys, sink, limits)
+            return await self.read_via_client(keys, sink, limits)
         sinks = [lambda view, i=i: sink(i, view) for i in range(len(keys))]  # type: ignore[misc]
         return [n >= 0 for n in await self._wire.read(keys, sinks, limits)]
 
-    async def _py_read(self, keys: Sequence[str], sink: ReadSink, limits: Sequence[int] | None = None) -> list[bool]:
+    async def read_via_client(
+        self, keys: Sequence[str], sink: ReadSink, limits: Sequence[int] | None = None
+    ) -> list[bool]:
         """Reads through redis-py: whole values as bytes, handed to the sink. With `limits`, each is a
         GETRANGE of at most limit + 1 bytes, so the server sends no more than that (one byte more says
         the value is too long: a miss). A reply that is not a string (a server out of protocol) is a
@@ -376,14 +398,14 @@ class RedisBackend(Backend):
         return deleted
 
     async def keys(self, prefix: str | None = None) -> AsyncIterator[str]:
-        pattern = self._k(prefix or "").replace("*", r"\*").replace("?", r"\?").replace("[", r"\[") + "*"
+        pattern = self.stored_key(prefix or "").replace("*", r"\*").replace("?", r"\?").replace("[", r"\[") + "*"
         if self.breaker.open:
             raise BackendError("redis tier unavailable (circuit open)")
         try:
             async for raw in self._client.scan_iter(match=pattern, count=1000):
                 key = raw.decode() if isinstance(raw, bytes) else raw
                 yield key[len(self.prefix) :]
-        except self._errors as exc:
+        except self.client_errors as exc:
             self.breaker.failure()
             self._counts["errors"] += 1
             raise BackendError(f"redis scan failed: {type(exc).__name__}: {exc}") from exc

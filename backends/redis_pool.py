@@ -192,10 +192,10 @@ class WireReader:
         """The keys by the node that owns them (in a cluster, from redis-py's slot map)."""
         b = self.backend
         if not b.cluster:
-            return {b._server: (self.config, list(range(len(keys))))}
+            return {b.server: (self.config, list(range(len(keys))))}
         groups: dict[str, tuple[WireConfig, list[int]]] = {}
         for i, key in enumerate(keys):
-            node = b._client.get_node_from_key(b._k(key))
+            node = b.node_of(key)
             cfg = WireConfig(node.host, int(node.port), self.config.username, self.config.password)
             groups.setdefault(node.name, (cfg, []))[1].append(i)
         return groups
@@ -215,28 +215,26 @@ class WireReader:
         doubt: list[int] = []
         try:
             if b.cluster:
-                await b._client.initialize()  # the slot map (a no-op once known)
+                await b.load_slot_map()
             groups = self.route(keys)
-        except b._errors:  # any failure of redis-py's, as on its own path
+        except b.client_errors:  # any failure of redis-py's, as on its own path
             return out, list(range(len(keys)))  # no slot map: redis-py routes (and fails) it all
 
         async def run(node: str, cfg: WireConfig, idx: list[int]) -> None:
-            breaker = b._breaker(node if b.cluster else None)
+            breaker = b.breaker_of(node if b.cluster else None)
             if breaker.open:
-                b._counts["errors"] += 1
+                b.count(errors=1)
                 return
             pool = self.pools.get(node)
             if pool is None or pool.config != cfg:
                 pool = self.pools[node] = NodePool(cfg, self.connections)
-            if b._gate is None:
-                b._gate = asyncio.Semaphore(b._max_in_flight)
-            async with b._gate:  # calls in flight bounded as on redis-py's path: a wait here is not the node's
-                got = await pool.fetch([b._k(keys[i]).encode() for i in idx], [targets[i] for i in idx],
+            async with b.gate():  # calls in flight bounded as on redis-py's path: a wait here is not the node's
+                got = await pool.fetch([b.stored_key(keys[i]).encode() for i in idx], [targets[i] for i in idx],
                                        timeout=b.timeout_s, retries=self.retries, command=command,
                                        limits=None if limits is None else [limits[i] for i in idx])  # fmt: skip
             if down := next((g for g in got if type(g) is WireError), None):
                 breaker.failure()  # down, or dropped again after every retry: its keys are misses
-                b._counts["errors"] += 1
+                b.count(errors=1)
                 log.warning("redis %s on %s failed (%s)", command.decode(), node, down)
             else:
                 breaker.success()
@@ -255,10 +253,10 @@ class WireReader:
                 else:
                     raise g  # the caller's sink failed
             if refused:
-                b._counts["refused"] += len(refused)
+                b.count(refused=len(refused))
                 log.warning("redis refused %d %s on %s: %s", len(refused), command.decode(), node, refused[0][:200])
             if bad:
-                b._counts.update(errors=len(bad), bad_replies=len(bad))
+                b.count(errors=len(bad), bad_replies=len(bad))
                 log.warning("redis %s on %s: %d replies out of protocol, treated as misses: %s", command.decode(),
                             node, len(bad), bad[0][:200])  # fmt: skip
 
@@ -278,13 +276,13 @@ class WireReader:
         got, doubt = await self._ask(keys, targets, b"GET", limits)
         out = [MISS if n is None else n for n in got]
         served = sum(n >= 0 for n in out)
-        self.backend._counts.update(reads=served, misses=len(keys) - len(doubt) - served)
+        self.backend.count(reads=served, misses=len(keys) - len(doubt) - served)
         if doubt:
             sink = lambda j, view: _deliver(targets, out, doubt[j], view)
             if limits is None:
-                await self.backend._py_read([keys[i] for i in doubt], sink)
+                await self.backend.read_via_client([keys[i] for i in doubt], sink)
             else:
-                await self.backend._py_read([keys[i] for i in doubt], sink, [limits[i] for i in doubt])
+                await self.backend.read_via_client([keys[i] for i in doubt], sink, [limits[i] for i in doubt])
         return out
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -292,7 +290,7 @@ class WireReader:
         got, doubt = await self._ask(keys, [None] * len(keys), b"EXISTS")
         out = [bool(n) for n in got]
         if doubt:
-            for i, found in zip(doubt, await self.backend._py_exists([keys[i] for i in doubt])):
+            for i, found in zip(doubt, await self.backend.exists_via_client([keys[i] for i in doubt])):
                 out[i] = found
         return out
 

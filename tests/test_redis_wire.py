@@ -107,8 +107,8 @@ async def test_an_error_reply_is_a_typed_refusal_never_bytes(backend: RedisBacke
 
     admin = aioredis.Redis.from_url(redis_server.url)
     try:
-        await admin.hset(backend._k("c/hash"), "f", "v")  # GET on a hash: WRONGTYPE
-        await admin.lpush(backend._k("c/list"), "x")
+        await admin.hset(backend.stored_key("c/hash"), "f", "v")  # GET on a hash: WRONGTYPE
+        await admin.lpush(backend.stored_key("c/list"), "x")
     finally:
         await admin.aclose()
     await backend.put(["c/ok"], [b"fine"])
@@ -117,7 +117,7 @@ async def test_an_error_reply_is_a_typed_refusal_never_bytes(backend: RedisBacke
     assert got == [0, 4, 0] and raw == bytearray([0xA5]) * (64 + GUARD)
     assert backend.counters()["refused"] == 2 and backend.trips == 0  # an answer, not an outage
     pool = next(iter(backend._wire.pools.values()))
-    out = await pool.fetch([backend._k("c/hash").encode()], [view], timeout=2.0)
+    out = await pool.fetch([backend.stored_key("c/hash").encode()], [view], timeout=2.0)
     refused = out[0]
     assert isinstance(refused, wire.ReplyError) and issubclass(wire.ReplyError, BackendRefusedError)  # typed
     assert refused.reply.startswith("WRONGTYPE") and not refused.retryable
@@ -148,7 +148,7 @@ async def test_a_cluster_reads_from_every_node_and_redirects_fall_back_to_redis_
     try:
         values = {f"c/{i}": os.urandom(1000 + 37 * i) for i in range(60)}
         await b.put(list(values), list(values.values()))
-        nodes = {b._client.get_node_from_key(b._k(k)).name for k in values}
+        nodes = {b.node_of(k).name for k in values}
         assert len(nodes) == 3  # keys on every node
         bufs = [memoryview(bytearray(4000)) for _ in values]
         assert await b.get_into(list(values), bufs) == [len(v) for v in values.values()]
@@ -165,13 +165,13 @@ async def test_a_cluster_reads_from_every_node_and_redirects_fall_back_to_redis_
                     for j, n in enumerate(names)}  # fmt: skip
 
         b._wire.route = stale  # type: ignore[method-assign]
-        py_read, asked = b._py_read, []
+        py_read, asked = b.read_via_client, []
 
         async def spy(keys: list[str], sink: Callable[[int, memoryview], None]) -> list[bool]:
             asked.extend(keys)
             return await py_read(keys, sink)
 
-        b._py_read = spy  # type: ignore[method-assign]
+        b.read_via_client = spy  # type: ignore[method-assign]
         bufs = [memoryview(bytearray(4000)) for _ in values]
         assert await b.get_into(list(values), bufs) == [len(v) for v in values.values()]
         assert sorted(asked) == sorted(values)  # every key was MOVED, and redis-py read it

@@ -18,8 +18,8 @@ and shared chunks are deduplicated there as anywhere else.
 Import is all-or-nothing, in three steps:
 
 1. Check. Every session is checked exactly as `snapshot` would check it, with snapshot's own
-   helpers (`agentstate.sessions`: ids, `token_array` (ids >= 0 and < 2**63), `_json_object`
-   (JSON only, no NaN, nesting), `_check_options`, `_manifest_or_invalid`), plus what an archive
+   checks (`agentstate.snapshots.check_snapshot`: ids, token ids >= 0 and < 2**63, state as JSON only
+   (no NaN, bounded nesting), options; `snapshot_manifest`), plus what an archive
    adds (member checksums, each chunk decoded under the target's spec and token count, duplicates,
    sessions present in the target unless `force`). A session snapshot would refuse is a
    CorruptDataError here, before anything is written.
@@ -78,11 +78,11 @@ from agentstate.errors import (
     NotFoundError,
     SpecMismatchError,
 )
-from agentstate.keys import tail_key, token_array, validate_id
+from agentstate.keys import validate_id
 from agentstate.manifest import SessionManifest, now
 from agentstate.ops.admin import QUIET, Progress
 from agentstate.ops.reserve import Reserve
-from agentstate.sessions import _check_options, _check_seconds, _json_object, _manifest_or_invalid
+from agentstate.snapshots import check_snapshot, hold_retained, snapshot_manifest, write_session
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
 
@@ -267,7 +267,7 @@ async def import_sessions(
         progress.start("import", sum(len(s.tokens) for s in index.sessions))
         async with contextlib.AsyncExitStack() as locks:  # writers of these sessions wait (sorted: no deadlock)
             for p in sorted(plans, key=lambda p: (p.owner, p.session.session_id)):
-                await locks.enter_async_context(store.for_tenant(p.owner)._session_lock(p.session.session_id))
+                await locks.enter_async_context(store.for_tenant(p.owner).session_lock(p.session.session_id))
             await _store_all(store, tar, index, plans, progress)
     return ImportReport(
         archive=str(source), sessions=len(plans), tokens=sum(len(p.session.tokens) for p in plans),
@@ -321,9 +321,8 @@ async def _store_all(
             await _undo(store, written, exc)
             raise
     for p, m in zip(plans, manifests):
-        scoped = store.for_tenant(p.owner)
-        scoped.usage_log.add(p.owner, m.session_id, p.usage)
-        scoped._retain(m)
+        store.usage_log.add(p.owner, m.session_id, p.usage)
+        hold_retained(store.chunks, m)
     old_tails = [c.old_tail for c, m in zip(committed, manifests) if c.old_tail and c.old_tail != m.tail_key]
     try:  # the import stands: what it replaced goes now, or (a full disk) to the next gc
         await store.chunks.collect([k for c in committed for k in c.zeroed], store.catalog.refcounts)
@@ -344,20 +343,12 @@ async def _stage(
         a = i * s.chunk_tokens
         b = min(a + s.chunk_tokens, len(s.tokens))
         codec.decode_into(_member(tar, name, index), kv[:, :, a:b], key=name, fingerprint=store.fingerprint)
-    keys, full = m.chunk_keys, len(m.chunk_keys) * m.chunk_tokens
-    new = await store.chunks.missing(keys, durable=True)
-    slices = store._slices(kv, len(keys))
-    write_keys = [keys[i] for i in new] + ([m.tail_key] if m.tail_key else [])
-    write_kv = [slices[i] for i in new] + ([kv[:, :, full:]] if m.tail_key else [])
-    nbytes = 0
-    if write_keys:
-        reserve.grow(_UNDO_KEY_BYTES * len(write_keys))
-        written.extend(write_keys)
-        nbytes = await store.chunks.write(write_keys, write_kv, durable=True)
-    p.usage = {
-        "snapshots": 1, "tokens_written": len(new) * m.chunk_tokens + m.num_tokens - full,
-        "tokens_deduped": (len(keys) - len(new)) * m.chunk_tokens, "bytes_written": nbytes,
-    }  # fmt: skip
+
+    def before_write(keys: list[str]) -> None:
+        reserve.grow(_UNDO_KEY_BYTES * len(keys))
+        written.extend(keys)
+
+    p.usage = (await write_session(store.chunks, m, kv, before_write)).usage(m)
 
 
 async def _undo(store: StateStore, written: list[str], exc: BaseException) -> None:
@@ -437,28 +428,11 @@ def _as_snapshot(
     """The manifest `snapshot` would commit for an archived session; CorruptDataError where
     `snapshot` would refuse it, with snapshot's own checks: token ids, state, options, manifest."""
     try:
-        packed = token_array(s.tokens)
-        state = _json_object(s.state)
-        _check_options(ttl_seconds=s.ttl_seconds, pinned=s.pinned, expected_version=None, force=force)
-        _check_seconds("guaranteed_until", s.guaranteed_until)
-        record_ttl = scoped.chunks.record_ttl_s
-        if s.guaranteed_until is not None and record_ttl is not None and s.guaranteed_until > now() + record_ttl:
-            raise InvalidArgumentError(
-                f"guaranteed_until is {s.guaranteed_until - now():.0f}s away, but the record tier"
-                f" {scoped.chunks.record_tier!r} expires chunks after {record_ttl:g}s"
-            )
-        keys = scoped._keys(packed)
-        version = (prev.version if prev else 0) + 1
-        full = len(keys) * scoped.chunk_tokens
-        tkey = tail_key(scoped.fingerprint, scoped.tenant, s.session_id, version) if len(packed) > full else None
-        stamp = now()
-        return _manifest_or_invalid(
-            session_id=s.session_id, tenant=scoped.tenant, fingerprint=scoped.fingerprint,
-            chunk_tokens=scoped.chunk_tokens, tokens=packed.tolist(), chunk_keys=keys, tail_key=tkey,
-            state=state, version=version, parent=prev.parent if prev else None,
-            created_at=prev.created_at if prev else stamp, updated_at=stamp,
-            ttl_seconds=s.ttl_seconds, guaranteed_until=s.guaranteed_until, pinned=s.pinned,
+        request = check_snapshot(
+            scoped, s.session_id, s.tokens, s.state, ttl_seconds=s.ttl_seconds,
+            guaranteed_until=s.guaranteed_until, pinned=s.pinned, force=force,
         )  # fmt: skip
+        return snapshot_manifest(scoped, request, prev)
     except InvalidArgumentError as exc:
         raise CorruptDataError(f"archive session {scoped.tenant}/{s.session_id} would be refused: {exc}") from None
 
