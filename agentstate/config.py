@@ -10,9 +10,11 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel, BeforeValidator, ByteSize, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator,
+)  # fmt: skip
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from agentstate.keys import validate_id
@@ -49,26 +51,120 @@ Bytes = Annotated[int, SIZE]
 
 
 class TierConfig(BaseModel):
-    """One storage tier. Order in `StoreConfig.tiers` is fast to slow."""
+    """One storage tier: the keys every kind has. Order in `StoreConfig.tiers` is fast to slow.
+
+    Each kind has a model of its own below, picked by `kind` (`HostTier`, `LMDBTier`, ...), so a
+    key another kind takes is refused, not ignored; `TierConfig(kind=...)` and
+    `TierConfig.model_validate({...})` build that model. A kind not listed is a backend outside the
+    repository (`ExternalTier`): `module_path` names the module that builds it. A kind's model says
+    where its backend lives (`backend_module`, imported only when a tier of that kind is opened,
+    whose `from_config(cfg, store)` builds it) and whether the chunk layer enforces its capacity.
+    """
 
     model_config = ConfigDict(extra="forbid")
+    backend_module: ClassVar[str] = ""
+    """the module whose `from_config(cfg, store)` builds this kind's backend"""
+    capacity_managed: ClassVar[bool] = False
+    """the chunk layer enforces `capacity_bytes` (evicts); other kinds fill or evict by themselves"""
 
-    kind: Literal["device", "host", "lmdb", "file", "redis", "mooncake"] = Field(description="the backend")
+    kind: str = Field(description="the backend: device, host, lmdb, file, redis, mooncake, or one outside the repository")
     name: str | None = Field(default=None, description="unique tier name; defaults to the kind")
     capacity_bytes: Bytes | None = Field(default=None, ge=0, description="cache tiers: evict beyond this")
-    path: Path | None = Field(default=None, description="lmdb/file: directory, relative to the store path")
+    compression: Literal["none", "zstd", "lz4", "fp8", "fp8+zstd"] = Field(
+        default="none",
+        description="store this tier's values compressed: zstd/lz4 lossless (byte planes), fp8 lossy (e4m3 with"
+        " per-head scales), fp8+zstd; capacity counts compressed bytes; needs agentstate[compress]",
+    )
+
+    def __new__(cls, *args: Any, **data: Any) -> Any:
+        """`TierConfig(kind=...)` is the model of that kind (the base is never built itself)."""
+        return super().__new__(tier_model(data.get("kind")) if cls is TierConfig else cls)
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """On `TierConfig` itself: the model of `obj`'s kind."""
+        if cls is TierConfig:
+            return _ANY_TIER.validate_python(obj, **kwargs)
+        return super().model_validate(obj, **kwargs)
+
+    @property
+    def tier_name(self) -> str:
+        return self.name or self.kind
+
+    @property
+    def lossy(self) -> bool:
+        """This tier keeps a lossy encoding (fp8): what it gives back is not bit-exact."""
+        return self.compression.startswith("fp8")
+
+
+class DeviceTier(TierConfig):
+    """A torch device buffer (the engine's own pool is the adapters' business); a cache tier."""
+
+    backend_module: ClassVar[str] = "agentstate.backends.device"
+    capacity_managed: ClassVar[bool] = True
+    kind: Literal["device"] = Field(default="device", description="the backend")
     device: str = Field(default="cpu", description="device tier: torch device")
+
+    @model_validator(mode="after")
+    def _plain(self) -> DeviceTier:
+        if self.compression != "none":
+            raise ValueError("the device tier serves chunks to the engine as they are; it cannot be compressed")
+        return self
+
+
+class HostTier(TierConfig):
+    """DRAM of this process; a cache tier."""
+
+    backend_module: ClassVar[str] = "agentstate.backends.host"
+    capacity_managed: ClassVar[bool] = True
+    kind: Literal["host"] = Field(default="host", description="the backend")
+
+
+class LMDBTier(TierConfig):
+    """LMDB in the data directory (sizes: the store's `lmdb_*` keys); durable."""
+
+    backend_module: ClassVar[str] = "agentstate.backends.lmdb"
+    kind: Literal["lmdb"] = Field(default="lmdb", description="the backend")
+    path: Path | None = Field(default=None, description="lmdb/file: directory, relative to the store path")
+
+
+class FileTier(TierConfig):
+    """One file per chunk on a local disk; durable, or a cache tier with `capacity_bytes`."""
+
+    backend_module: ClassVar[str] = "agentstate.backends.file"
+    capacity_managed: ClassVar[bool] = True
+    kind: Literal["file"] = Field(default="file", description="the backend")
+    path: Path | None = Field(default=None, description="lmdb/file: directory, relative to the store path")
     o_direct: bool = Field(default=False, description="file tier: O_DIRECT reads")
-    url: str = Field(default="redis://127.0.0.1:6379/0", description="redis tier: server or cluster URL")
-    cluster: bool = Field(default=False, description="redis tier: use the Redis Cluster client")
-    ttl_seconds: int | None = Field(default=None, gt=0, description="redis tier: expire chunks after this")
+
+
+class RemoteTier(TierConfig):
+    """The keys every remote tier has: a deployment's key prefix, call bounds, a circuit breaker."""
+
     prefix: str = Field(default="agentstate:", description="redis/mooncake tier: key prefix of this deployment")
     timeout_s: float = Field(default=2.0, gt=0, description="remote tiers: bound of each call")
     breaker_threshold: int = Field(default=3, gt=0, description="remote tiers: failures in a row that open the breaker")
     breaker_cooldown_s: float = Field(default=5.0, gt=0, description="remote tiers: skip an open node this long")
+
+
+class RedisTier(RemoteTier):
+    """Redis or Redis Cluster, shared by every host; durable."""
+
+    backend_module: ClassVar[str] = "agentstate.backends.redis"
+    kind: Literal["redis"] = Field(default="redis", description="the backend")
+    url: str = Field(default="redis://127.0.0.1:6379/0", description="redis tier: server or cluster URL")
+    cluster: bool = Field(default=False, description="redis tier: use the Redis Cluster client")
+    ttl_seconds: int | None = Field(default=None, gt=0, description="redis tier: expire chunks after this")
     connections: int = Field(
         default=4, gt=0, le=256, description="redis tier: connections per node that read values straight into buffers"
     )
+
+
+class MooncakeTier(RemoteTier):
+    """Mooncake Store, shared by every host; evicts by itself when full, so only a cache."""
+
+    backend_module: ClassVar[str] = "agentstate.backends.mooncake"
+    kind: Literal["mooncake"] = Field(default="mooncake", description="the backend")
     master: str = Field(default="127.0.0.1:50051", description="mooncake tier: master RPC address host:port")
     metadata_url: str = Field(
         default="http://127.0.0.1:8080/metadata", description="mooncake tier: transfer-engine metadata server"
@@ -85,28 +181,61 @@ class TierConfig(BaseModel):
     buffer_bytes: Bytes = Field(
         default=256 * MiB, gt=0, description="mooncake tier: registered arena for zero-copy reads and writes"
     )
-    compression: Literal["none", "zstd", "lz4", "fp8", "fp8+zstd"] = Field(
-        default="none",
-        description="store this tier's values compressed: zstd/lz4 lossless (byte planes), fp8 lossy (e4m3 with"
-        " per-head scales), fp8+zstd; capacity counts compressed bytes; needs agentstate[compress]",
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_expiry(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("ttl_seconds") is not None:
+            raise ValueError("the mooncake tier has no expiry (ttl_seconds); it evicts by itself when full")
+        return data
+
+
+class ExternalTier(TierConfig):
+    """A backend outside the repository: `kind` is its own name, `module_path` the module (a dotted
+    name on sys.path, or a .py file) whose `from_config(cfg, store)` returns its `Backend`, and
+    `options` whatever else it reads. The chunk layer enforces `capacity_bytes` when one is set."""
+
+    capacity_managed: ClassVar[bool] = True
+    module_path: str | None = Field(
+        default=None, description="external tier: module with from_config(cfg, store): a dotted name or a .py file"
     )
+    options: dict[str, Any] = Field(default_factory=dict, description="external tier: passed to its from_config")
 
     @model_validator(mode="after")
-    def _fits_kind(self) -> TierConfig:
-        if self.kind == "mooncake" and self.ttl_seconds is not None:
-            raise ValueError("the mooncake tier has no expiry (ttl_seconds); it evicts by itself when full")
-        if self.kind == "device" and self.compression != "none":
-            raise ValueError("the device tier serves chunks to the engine as they are; it cannot be compressed")
+    def _located(self) -> ExternalTier:
+        if not self.module_path:
+            raise ValueError(
+                f"unknown tier kind {self.kind!r}; known: {sorted(TIER_KINDS)}, or a backend outside the"
+                " repository named by module_path"
+            )
         return self
 
-    @property
-    def tier_name(self) -> str:
-        return self.name or self.kind
 
-    @property
-    def lossy(self) -> bool:
-        """This tier keeps a lossy encoding (fp8): what it gives back is not bit-exact."""
-        return self.compression.startswith("fp8")
+TIER_KINDS: dict[str, type[TierConfig]] = {
+    "device": DeviceTier, "host": HostTier, "lmdb": LMDBTier, "file": FileTier, "redis": RedisTier,
+    "mooncake": MooncakeTier,
+}  # fmt: skip
+"""Every kind in the repository -> its config model (which names the module of its backend)."""
+
+
+def tier_model(kind: object) -> type[TierConfig]:
+    """The config model of `kind`: a listed kind's, else ExternalTier (a backend outside the repository)."""
+    return TIER_KINDS.get(kind, ExternalTier) if isinstance(kind, str) else ExternalTier
+
+
+def _kind_tag(value: Any) -> str:
+    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+    return kind if isinstance(kind, str) and kind in TIER_KINDS else "external"
+
+
+AnyTier = Annotated[
+    Annotated[DeviceTier, Tag("device")] | Annotated[HostTier, Tag("host")] | Annotated[LMDBTier, Tag("lmdb")]
+    | Annotated[FileTier, Tag("file")] | Annotated[RedisTier, Tag("redis")] | Annotated[MooncakeTier, Tag("mooncake")]
+    | Annotated[ExternalTier, Tag("external")],
+    Discriminator(_kind_tag),
+]  # fmt: skip
+"""One tier's config, as its kind's model (a pydantic union discriminated by `kind`)."""
+_ANY_TIER: TypeAdapter[TierConfig] = TypeAdapter(AnyTier)
 
 
 class StoreConfig(BaseSettings):
@@ -143,7 +272,7 @@ class StoreConfig(BaseSettings):
     io_depth: int = Field(default=8, gt=0, le=1024, description="chunk reads/writes in flight per call")
     io_threads: int = Field(default=4, gt=0, le=256, description="threads for blocking IO and copies")
     batch_bytes: Bytes = Field(default=16 * MiB, gt=0, description="target bytes per backend call")
-    tiers: list[TierConfig] | None = Field(
+    tiers: list[AnyTier] | None = Field(
         default=None, description="tiers fast to slow; default: host (host_capacity_bytes) over lmdb"
     )
     record_tier: str | None = Field(

@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -58,6 +58,15 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class Breaker(Protocol):
+    """A circuit breaker as operators see it (backends.redis.CircuitBreaker)."""
+
+    @property
+    def state(self) -> str: ...
+
+    trips: int
 
 
 ReadSink = Callable[[int, memoryview], None]
@@ -125,6 +134,40 @@ class Backend(ABC):
     """True when stored bytes never left this process's memory, so reads may skip the checksum."""
     remote: bool = False
     """True for a store shared with other hosts: never scanned on open; asked with batched `exists`."""
+    compresses: bool = False
+    """True when `put` stores other bytes than it is given (`compress` says which): the chunk layer
+    then spends a tier's capacity in stored bytes."""
+    ttl_seconds: int | None = None
+    """How long the tier keeps a value nobody asks for again (a Redis tier's expiry); None: until deleted."""
+
+    # -- capabilities the chunk layer and the operator tools read; the defaults fit a local tier --
+
+    @property
+    def location(self) -> str | os.PathLike[str] | None:
+        """The local directory the tier keeps its data in (free disk space is reported), or None."""
+        return None
+
+    @property
+    def limit_bytes(self) -> int | None:
+        """A hard limit on what the tier may hold that its `stats().capacity_bytes` reports, or None."""
+        return None
+
+    def breakers(self) -> dict[str, Breaker]:
+        """Circuit breakers of a remote tier by node (a single server: one); none for a local tier."""
+        return {}
+
+    def counters(self) -> dict[str, int] | None:
+        """What this process counted of a remote tier's calls (errors, ...), without calling it;
+        None for a tier that keeps no such counts (its `stats` say it all)."""
+        return None
+
+    async def server_memory(self) -> dict[str, tuple[int, int]]:
+        """A remote tier's servers' memory, used and limit, by node; {} when it cannot say."""
+        return {}
+
+    async def compress(self, keys: Sequence[str], values: Sequence[Any]) -> list[Any]:
+        """The values `put` would store for `values` (a compressing tier's frames); as given by default."""
+        return list(values)
 
     @abstractmethod
     async def exists(self, keys: Sequence[str]) -> list[bool]: ...

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from agentstate import compress
-from agentstate.backends.base import Backend, BackendStats, ReadSink
+from agentstate.backends.base import Backend, BackendStats, Breaker, ReadSink
 from agentstate.errors import AgentStateError, InvalidArgumentError
 
 log = logging.getLogger("agentstate.backends.compressed")
@@ -207,6 +208,29 @@ class CompressedBackend(Backend):
         """The inner tier's stats (bytes in compressed bytes), plus frames that failed a check as errors."""
         stats = await self.inner.stats()
         return stats.model_copy(update={"errors": stats.errors + self._counts["corrupt"]})
+
+    # -- the inner tier's capabilities (declared on Backend, so not reached through __getattr__) --
+
+    @property  # type: ignore[override]
+    def ttl_seconds(self) -> int | None:
+        return self.inner.ttl_seconds
+
+    @property
+    def location(self) -> str | os.PathLike[str] | None:
+        return self.inner.location
+
+    @property
+    def limit_bytes(self) -> int | None:
+        return self.inner.limit_bytes
+
+    def breakers(self) -> dict[str, Breaker]:
+        return self.inner.breakers()
+
+    def counters(self) -> dict[str, int] | None:
+        return self.inner.counters()
+
+    async def server_memory(self) -> dict[str, tuple[int, int]]:
+        return await self.inner.server_memory()
 
     def ratio(self) -> float:
         """Logical bytes put per stored byte, over this process's puts (1.0 before any)."""

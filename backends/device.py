@@ -11,9 +11,13 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from agentstate.backends.base import Backend, BackendStats, InMemory, ReadSink, io_pool
+
+if TYPE_CHECKING:
+    from agentstate.config import DeviceTier, StoreConfig
 
 
 class DeviceBackend(InMemory, Backend):
@@ -74,3 +78,8 @@ class DeviceBackend(InMemory, Backend):
         self._items.clear()
         self._used = 0
         self._pool.shutdown(wait=True)
+
+
+def from_config(cfg: DeviceTier, store: StoreConfig) -> DeviceBackend:
+    """The device tier of a store, on `cfg.device`."""
+    return DeviceBackend(cfg.device)

@@ -36,13 +36,16 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import unquote
 
 from agentstate.backends.base import Backend, BackendStats, ReadSink, disk_full, fsync_dir
 
 from agentstate.errors import BackendError, CapacityError, InvalidArgumentError
 from agentstate.memory import host_buffer
+
+if TYPE_CHECKING:
+    from agentstate.config import FileTier, StoreConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -521,6 +524,10 @@ class FileBackend(Backend):
     async def sizes(self, keys: Sequence[str]) -> list[int]:
         return [self._index.get(k, 0) for k in keys]
 
+    @property
+    def location(self) -> Path:
+        return self.root
+
     async def stats(self) -> BackendStats:
         return BackendStats(
             name=self.name, items=len(self._index), bytes_used=self._used, capacity_bytes=None,
@@ -536,3 +543,8 @@ class FileBackend(Backend):
         self._announcer.shutdown(wait=True, cancel_futures=True)  # advice not yet given is dropped
         self._readers.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+
+
+def from_config(cfg: FileTier, store: StoreConfig) -> FileBackend:
+    """The file tier of a store: `cfg.path` (default: the tier's name) under the data directory."""
+    return FileBackend(Path(store.path) / (cfg.path or cfg.tier_name), threads=store.io_threads, o_direct=cfg.o_direct)

@@ -11,8 +11,12 @@ import asyncio
 import mmap
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from agentstate.backends.base import Backend, BackendStats, InMemory, ReadSink, io_pool
+
+if TYPE_CHECKING:
+    from agentstate.config import HostTier, StoreConfig
 
 
 class HostBackend(InMemory, Backend):
@@ -88,3 +92,8 @@ class HostBackend(InMemory, Backend):
         self._items.clear()
         self._used = 0
         self._pool.shutdown(wait=True)
+
+
+def from_config(cfg: HostTier, store: StoreConfig) -> HostBackend:
+    """The host tier of a store (its capacity is the chunk layer's: `HostTier.capacity_managed`)."""
+    return HostBackend()

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import lmdb
 from agentstate.backends.base import Backend, BackendStats, ReadSink, disk_full, io_pool
@@ -36,6 +36,9 @@ from agentstate.backends.lmdb_env import lmdb_error, open_env
 from agentstate.backends.value_log import Pointer, ValueLog
 
 from agentstate.errors import BackendError, CapacityError, CorruptDataError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from agentstate.config import LMDBTier, StoreConfig
 
 _KEYS_PAGE = 1024
 T = TypeVar("T")
@@ -468,6 +471,15 @@ class LMDBBackend(Backend):
 
     # -- admin ---------------------------------------------------------------------------------
 
+    @property
+    def location(self) -> Path:
+        return self.path
+
+    @property
+    def limit_bytes(self) -> int | None:
+        """`max_map_size`: then `stats().capacity_bytes` is this limit, not the current map."""
+        return self.max_map_size
+
     async def stats(self) -> BackendStats:
         def figures() -> tuple[int, int, int]:
             stats = [self._env.stat()]
@@ -514,3 +526,13 @@ def _text(raw: bytes) -> str:
         return bytes(raw).decode()
     except UnicodeDecodeError as exc:
         raise CorruptDataError(f"LMDB key {bytes(raw)[:64]!r} is not text: the file is damaged") from exc
+
+
+def from_config(cfg: LMDBTier, store: StoreConfig) -> LMDBBackend:
+    """The LMDB tier of a store: `cfg.path` (default: the tier's name) under the data directory,
+    sized by the store's `lmdb_*` keys."""
+    return LMDBBackend(
+        Path(store.path) / (cfg.path or cfg.tier_name), map_size=store.lmdb_map_size,
+        max_map_size=store.lmdb_max_map_size, threads=store.io_threads,
+        value_log_min_bytes=store.lmdb_value_log_min_bytes, segment_bytes=store.lmdb_segment_bytes,
+    )  # fmt: skip

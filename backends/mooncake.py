@@ -31,7 +31,7 @@ import threading
 import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentstate.backends.base import Backend, BackendStats, ReadSink
 from agentstate.backends.mooncake_io import Arena, DaemonPool, Guard, Slot
@@ -39,6 +39,9 @@ from agentstate.backends.mooncake_ops import INVALID, NO_SPACE, Value, fetch, ou
 from agentstate.backends.redis import CircuitBreaker
 
 from agentstate.errors import BackendError, BackendRefusedError, CapacityError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from agentstate.config import MooncakeTier, StoreConfig
 
 log = logging.getLogger("agentstate.backends.mooncake")
 T = TypeVar("T")
@@ -92,6 +95,10 @@ class MooncakeBackend(Backend):
 
     def _k(self, key: str) -> str:
         return self.prefix + key
+
+    def breakers(self) -> dict[str, CircuitBreaker]:
+        """The one breaker of this tier (the master and its storage nodes as one)."""
+        return {"server": self.breaker}
 
     @property
     def trips(self) -> int:
@@ -301,3 +308,13 @@ class MooncakeBackend(Backend):
     def busy(self) -> int:
         """Calls still running in the client (some may have outlived their caller's timeout)."""
         return self._inflight
+
+
+def from_config(cfg: MooncakeTier, store: StoreConfig) -> MooncakeBackend:
+    """The Mooncake tier of a store."""
+    return MooncakeBackend(
+        cfg.master, metadata_url=cfg.metadata_url, admin_url=cfg.admin_url, local_host=cfg.local_host,
+        protocol=cfg.protocol, rdma_devices=cfg.rdma_devices, segment_bytes=cfg.segment_bytes,
+        buffer_bytes=cfg.buffer_bytes, prefix=cfg.prefix, timeout_s=cfg.timeout_s,
+        breaker_threshold=cfg.breaker_threshold, breaker_cooldown_s=cfg.breaker_cooldown_s,
+    )  # fmt: skip

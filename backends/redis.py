@@ -18,7 +18,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from agentstate.backends import redis_wire as wire
@@ -26,6 +26,9 @@ from agentstate.backends.base import Backend, BackendStats, ReadSink
 from agentstate.backends.redis_pool import WireReader
 
 from agentstate.errors import AgentStateError, BackendError, BackendRefusedError, CapacityError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from agentstate.config import RedisTier, StoreConfig
 
 log = logging.getLogger("agentstate.backends.redis")
 FAILED = object()  # a key whose call failed (its node was down), as opposed to a miss
@@ -431,3 +434,12 @@ class RedisBackend(Backend):
         if self._wire is not None:
             self._wire.close()
         await self._client.aclose()
+
+
+def from_config(cfg: RedisTier, store: StoreConfig) -> RedisBackend:
+    """The Redis tier of a store."""
+    return RedisBackend(
+        cfg.url, cluster=cfg.cluster, ttl_seconds=cfg.ttl_seconds, prefix=cfg.prefix, timeout_s=cfg.timeout_s,
+        breaker_threshold=cfg.breaker_threshold, breaker_cooldown_s=cfg.breaker_cooldown_s,
+        connections=cfg.connections,
+    )  # fmt: skip

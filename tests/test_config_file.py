@@ -26,7 +26,7 @@ import pytest
 from pydantic import BaseModel
 
 from agentstate import StateStore
-from agentstate.config import SIZE, StoreConfig, TierConfig
+from agentstate.config import SIZE, TIER_KINDS, ExternalTier, StoreConfig, TierConfig
 from agentstate.configured import ServiceKeys, load, open_configured, service_settings
 from agentstate.errors import AgentStateError, InvalidArgumentError, NotFoundError, SpecMismatchError
 from agentstate.settings import RECORDED, read_config_file, record_config, recorded_config, store_config
@@ -463,6 +463,7 @@ def tables() -> dict[str, type[BaseModel]]:
 
     models: dict[str, type[BaseModel]] = {"StoreConfig": StoreConfig, "TierConfig": TierConfig, "ModelSpec": ModelSpec,
                                           "ServiceKeys": ServiceKeys, "Limits": Limits}  # fmt: skip
+    models.update({m.__name__: m for m in [*TIER_KINDS.values(), ExternalTier]})  # one model per tier kind
     try:
         from agentstate.adapters.sglang_pages import AdapterSettings
 

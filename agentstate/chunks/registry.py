@@ -1,89 +1,73 @@
-"""Backend registry: tier kind -> a factory that builds its backend from a TierConfig.
+"""Backend registry: a tier's config -> its backend, built by the module the backend lives in.
 
-Each backend module is imported only when a tier of its kind is configured, so `import
-agentstate` never needs redis, mooncake or CUDA. A new backend is one module in `backends/` plus
-one entry here. A tier with `compression` set is its backend wrapped in a CompressedBackend (the
-codec is imported only then, so zstandard and lz4 are needed only by tiers that use them).
+Each kind's config model names its backend's module (`TierConfig.backend_module`, e.g.
+`agentstate.backends.host`), and that module's `from_config(cfg, store)` builds it: the module is
+imported only when a tier of its kind is opened, so `import agentstate` never needs redis,
+mooncake or CUDA. A backend outside the repository is a tier whose `kind` is its own and whose
+`module_path` names its module: a dotted name on `sys.path`, or a `.py` file (absolute, or relative
+to the current directory). A tier with `compression` set is its backend wrapped in a
+CompressedBackend (the codec is imported only then, so zstandard and lz4 are needed only by tiers
+that use them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import importlib
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 from agentstate.backends.base import Backend
-from agentstate.config import StoreConfig, TierConfig
+from agentstate.config import ExternalTier, StoreConfig, TierConfig
 from agentstate.errors import InvalidArgumentError
 
-Factory = Callable[[TierConfig, StoreConfig], Backend]
+
+def backend_module(cfg: TierConfig) -> ModuleType:
+    """The module that builds `cfg`'s backend, imported now (once per process)."""
+    path = cfg.module_path if isinstance(cfg, ExternalTier) else cfg.backend_module
+    if not path:
+        raise InvalidArgumentError(f"tier {cfg.tier_name!r}: kind {cfg.kind!r} names no backend module")
+    try:
+        if path.endswith(".py"):
+            return _load_file(Path(path))
+        return importlib.import_module(path)
+    except ImportError as exc:
+        raise InvalidArgumentError(f"tier {cfg.tier_name!r}: cannot import its backend {path!r} ({exc})") from exc
 
 
-def _host(cfg: TierConfig, store: StoreConfig) -> Backend:
-    from agentstate.backends.host import HostBackend
-
-    return HostBackend()
-
-
-def _device(cfg: TierConfig, store: StoreConfig) -> Backend:
-    from agentstate.backends.device import DeviceBackend
-
-    return DeviceBackend(cfg.device)
-
-
-def _lmdb(cfg: TierConfig, store: StoreConfig) -> Backend:
-    from agentstate.backends.lmdb import LMDBBackend
-
-    return LMDBBackend(
-        Path(store.path) / (cfg.path or cfg.tier_name), map_size=store.lmdb_map_size,
-        max_map_size=store.lmdb_max_map_size, threads=store.io_threads,
-        value_log_min_bytes=store.lmdb_value_log_min_bytes, segment_bytes=store.lmdb_segment_bytes,
-    )  # fmt: skip
-
-
-def _file(cfg: TierConfig, store: StoreConfig) -> Backend:
-    from agentstate.backends.file import FileBackend
-
-    return FileBackend(Path(store.path) / (cfg.path or cfg.tier_name), threads=store.io_threads, o_direct=cfg.o_direct)
-
-
-def _redis(cfg: TierConfig, store: StoreConfig) -> Backend:
-    from agentstate.backends.redis import RedisBackend
-
-    return RedisBackend(
-        cfg.url, cluster=cfg.cluster, ttl_seconds=cfg.ttl_seconds, prefix=cfg.prefix, timeout_s=cfg.timeout_s,
-        breaker_threshold=cfg.breaker_threshold, breaker_cooldown_s=cfg.breaker_cooldown_s,
-        connections=cfg.connections,
-    )  # fmt: skip
-
-
-def _mooncake(cfg: TierConfig, store: StoreConfig) -> Backend:
-    from agentstate.backends.mooncake import MooncakeBackend
-
-    return MooncakeBackend(
-        cfg.master, metadata_url=cfg.metadata_url, admin_url=cfg.admin_url, local_host=cfg.local_host,
-        protocol=cfg.protocol, rdma_devices=cfg.rdma_devices, segment_bytes=cfg.segment_bytes,
-        buffer_bytes=cfg.buffer_bytes, prefix=cfg.prefix, timeout_s=cfg.timeout_s,
-        breaker_threshold=cfg.breaker_threshold, breaker_cooldown_s=cfg.breaker_cooldown_s,
-    )  # fmt: skip
-
-
-BACKENDS: dict[str, Factory] = {
-    "host": _host,
-    "device": _device,
-    "lmdb": _lmdb,
-    "file": _file,
-    "redis": _redis,
-    "mooncake": _mooncake,
-}
-CAPACITY_MANAGED = {"host", "device", "file"}
-"""Kinds whose byte capacity the chunk layer enforces (LRU); the others fill or evict by themselves."""
+def _load_file(path: Path) -> ModuleType:
+    """A backend module given as a file: loaded once, under a name made from its resolved path."""
+    path = path.resolve()
+    if not path.is_file():
+        raise ImportError(f"no file {path}")
+    name = f"agentstate_backend_{path.stem}_{hashlib.blake2b(str(path).encode(), digest_size=6).hexdigest()}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def build_backend(cfg: TierConfig, store: StoreConfig) -> Backend:
-    factory = BACKENDS.get(cfg.kind)
-    if factory is None:
-        raise InvalidArgumentError(f"unknown tier kind {cfg.kind!r}; known: {sorted(BACKENDS)}")
+    module = backend_module(cfg)
+    factory = getattr(module, "from_config", None)
+    if not callable(factory):
+        raise InvalidArgumentError(f"tier {cfg.tier_name!r}: {module.__name__} has no from_config(cfg, store)")
     backend = factory(cfg, store)
+    if not isinstance(backend, Backend):
+        raise InvalidArgumentError(
+            f"tier {cfg.tier_name!r}: {module.__name__}.from_config returned {type(backend).__name__}, not a Backend"
+        )
     if cfg.compression != "none":
         from agentstate.backends.compressed import CompressedBackend
 

@@ -35,7 +35,7 @@ from agentstate.chunks.index import ChunkIndex
 from agentstate.chunks.io import Batch, IOEngine, batches
 from agentstate.chunks.lock import DataDirLock
 from agentstate.chunks.prefetch import PrefetchHandle
-from agentstate.chunks.registry import CAPACITY_MANAGED, build_backend
+from agentstate.chunks.registry import build_backend
 from agentstate.chunks.tiers import Tier, TierManager, Value
 from agentstate.chunks.transfer import Span, Transfer
 from agentstate.config import StoreConfig, TierConfig
@@ -141,7 +141,7 @@ class ChunkStore:
 
     def _tier(self, cfg: TierConfig) -> Tier:
         backend = build_backend(cfg, self.config)
-        capacity = cfg.capacity_bytes if cfg.kind in CAPACITY_MANAGED else None
+        capacity = cfg.capacity_bytes if cfg.capacity_managed else None
         return Tier(backend, capacity=capacity, is_device=cfg.kind == "device", policy=make_policy(self.config.eviction))
 
     async def open(self, prefixes: Iterable[str]) -> ChunkStore:
@@ -164,10 +164,8 @@ class ChunkStore:
     def record_ttl_s(self) -> float | None:
         """How long the record tier keeps a chunk it is not asked for again (a Redis tier's
         `ttl_seconds`), None when it keeps chunks until they are deleted."""
-        backend = self._record.backend
-        backend = getattr(backend, "inner", backend)  # a compressing wrapper
-        ttl = getattr(backend, "ttl_seconds", None)
-        return float(ttl) if isinstance(ttl, int | float) and not isinstance(ttl, bool) else None
+        ttl = self._record.backend.ttl_seconds
+        return None if ttl is None else float(ttl)
 
     @property
     def tier_names(self) -> list[str]:
@@ -559,9 +557,7 @@ class ChunkStore:
         """The circuit breakers of the remote tiers, read from memory (no call to the store)."""
         out = []
         for tier in self._manager.tiers:
-            named = getattr(tier.backend, "breakers", None)
-            found = named() if callable(named) else {"server": getattr(tier.backend, "breaker", None)}
-            out += [BreakerInfo(tier.name, node, b.state, b.trips) for node, b in found.items() if b is not None]
+            out += [BreakerInfo(tier.name, node, b.state, b.trips) for node, b in tier.backend.breakers().items()]
         return out
 
     async def stats(self) -> list[BackendStats]:

@@ -200,7 +200,7 @@ class TierManager:
         for key, value in zip(keys, values):
             originals.setdefault(key, value)  # a key twice in one batch: the first value stands, in every tier
         stored = dict(originals)
-        if getattr(tier.backend, "compresses", False):  # a compressing tier's capacity is spent in stored bytes
+        if tier.backend.compresses:  # a compressing tier's capacity is spent in stored bytes
             todo = [k for k in stored if k not in tier.policy]
             stored.update(zip(todo, await tier.backend.compress(todo, [stored[k] for k in todo])))
         async with tier.lock if tier.capacity is not None else contextlib.nullcontext():

@@ -143,18 +143,15 @@ async def gather(store: StateStore, inflight_bytes: int = 0, *, tenants: bool = 
     for info in figures.tiers:
         backend = chunks.backend(info.name)
         if info.remote:
-            counters = getattr(backend, "counters", None)
-            if callable(counters):
-                figures.remote_errors[info.name] = int(counters().get("errors", 0))
-            memory = getattr(backend, "server_memory", None)
-            if callable(memory):
-                figures.server_memory[info.name] = await memory()
+            if (counters := backend.counters()) is not None:
+                figures.remote_errors[info.name] = int(counters.get("errors", 0))
+            figures.server_memory[info.name] = await backend.server_memory()
             continue
         stats = figures.local[info.name] = await backend.stats()
         if info.kind == "lmdb":  # stats' capacity is the hard limit when one is set, else the current map
-            limit = getattr(backend, "max_map_size", None)
+            limit = backend.limit_bytes
             (figures.lmdb_limit if limit else figures.lmdb_map)[info.name] = int(stats.capacity_bytes or 0)
-        root = getattr(backend, "path", None) or getattr(backend, "root", None)
+        root = backend.location
         if info.durable and root is not None:
             try:
                 st = os.statvfs(root)
