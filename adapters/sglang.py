@@ -46,8 +46,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, BackendError, InvalidArgumentError
 from agentstate.keys import PAGE_PREFIX
-from agentstate.ops.admin import record_spec
-from agentstate.settings import record_config, store_config
+from agentstate.settings import store_config
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
 from agentstate.chunks import ChunkStore
@@ -107,11 +106,9 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
     async def _open(self, config: StoreConfig, spec: ModelSpec) -> StateStore:
         """Open this rank's directory, adopt its pages, and record its spec and config there, so that
         `agentstate stats|verify|ls -p <rank dir>` open it under the same spec and tiers."""
-        store = await StateStore.open(config, spec)
+        store = await StateStore.open(config, spec, writer="agentstate.adapters.sglang")  # records spec and config
         try:
             await store.chunks.adopt([self._prefix])
-            record_spec(config.path, spec)
-            record_config(config, "agentstate.adapters.sglang")
         except BaseException:
             await store.close()
             raise

@@ -792,20 +792,18 @@ def serve(
         import asyncio
 
         from agentstate.configured import file_spec, service_settings
-        from agentstate.ops.admin import SPEC_FILE, read_spec_file, recorded_spec
-        from agentstate.server.service import load_tokens, resolve_spec
+        from agentstate.datadir import directory_spec, read_spec_file
+        from agentstate.server.service import load_tokens
         from agentstate.server.service import serve as serving
-        from agentstate.settings import record_config_unheld
 
         loaded = _configured(path)
         path = Path(loaded.store.path)
         model = read_spec_file(spec) if spec else file_spec(path, loaded.file)
-        if model is None and recorded_spec(path) is None:
-            raise NotFoundError(
-                f"no ModelSpec recorded in {path / SPEC_FILE}: pass --spec FILE (ModelSpec JSON: model_id, num_layers,"
-                " num_kv_heads, head_dim, dtype), or a [spec] table in the config file, the first time; it is"
-                " recorded and used from then on"
-            )
+        model = directory_spec(  # a spec other than the recorded one is refused, naming the fields that differ
+            path, model, source=f"the spec of --spec {spec}",
+            hint="pass --spec FILE (ModelSpec JSON: model_id, num_layers, num_kv_heads, head_dim, dtype), or a [spec]"
+            " table in the config file, the first time; it is recorded and used from then on",
+        )  # fmt: skip
         flags = {"handle_secret_file": handle_secret_file} if handle_secret_file else {}
         keys, limits = service_settings(loaded.file, **flags)  # flags > AGENTSTATE_SERVICE_* > [service]
         host = keys.host if keys.host is not None and not _given("host") else host
@@ -813,9 +811,7 @@ def serve(
         tokens_file = tokens_file or keys.tokens_file
         limits.secret()  # a bad secret file is refused before anything is written
         tokens = load_tokens(tokens_file)
-        model = resolve_spec(path, model)
-        record_config_unheld(loaded.recordable, _command)
-        asyncio.run(serving(loaded.store, model, host=host, port=port, tokens=tokens, limits=limits))
+        asyncio.run(serving(loaded.store, model, host=host, port=port, tokens=tokens, limits=limits, writer=_command))
 
 
 @app.command()

@@ -1,8 +1,8 @@
 """What a command runs with: its configuration loaded (`agentstate.settings` layers the file, the
 env and its flags), the data directory opened under it, and `agentstate serve`'s [service] keys.
 
-The admin CLI's commands and `serve` use these; the library's `agentstate.ops.admin.open_store`
-reads the env alone, as before.
+The admin CLI's commands, `serve` and the library's `agentstate.ops.admin.open_store` use these;
+what a data directory records about itself (spec.json, config.json) is `agentstate.datadir`'s.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentstate.config import StoreConfig, parse_size
-from agentstate.errors import InvalidArgumentError, NotFoundError, SpecMismatchError
+from agentstate.datadir import check_spec, is_store
+from agentstate.errors import InvalidArgumentError, NotFoundError
 from agentstate.settings import (
     CONFIG_ENV,
     ConfigFile,
@@ -25,7 +26,6 @@ from agentstate.settings import (
     layered,
     problems,
     read_config_file,
-    record_config,
     recorded_config,
     store_config,
 )
@@ -64,7 +64,7 @@ def load(
 
 def directory_spec(path: Path, spec_file: Path | None, file: ConfigFile | None) -> ModelSpec:
     """The spec to open `path` under: `spec_file`, else the file's [spec], else the recorded one;
-    a given one must agree with the recorded one (never guessed, never silently replaced)."""
+    a given one must be the recorded one (never guessed, never silently replaced)."""
     from agentstate.ops.admin import resolve_spec
 
     given = file_spec(path, file) if spec_file is None else None
@@ -72,17 +72,10 @@ def directory_spec(path: Path, spec_file: Path | None, file: ConfigFile | None) 
 
 
 def file_spec(path: Path, file: ConfigFile | None) -> ModelSpec | None:
-    """The [spec] of `file`, if it has one; SpecMismatchError if `path` records another."""
-    from agentstate.ops.admin import SPEC_FILE, recorded_spec
-
+    """The [spec] of `file`, if it has one; SpecMismatchError naming the fields if `path` records another."""
     if file is None or file.spec is None:
         return None
-    recorded = recorded_spec(path)
-    if recorded is not None and recorded.fingerprint != file.spec.fingerprint:
-        raise SpecMismatchError(
-            f"the [spec] of {file.source} is spec {file.spec.fingerprint}, {path} records {recorded.fingerprint}"
-            f" in {SPEC_FILE}"
-        )
+    check_spec(path, file.spec, source=f"the [spec] of {file.source}")
     return file.spec
 
 
@@ -93,21 +86,15 @@ async def open_configured(
 ) -> AsyncIterator[StateStore]:  # fmt: skip
     """Open a data directory as the admin commands do (see `agentstate.ops.admin.open_store`), under
     `loaded.store`. A writer (not `read_only`) records `loaded.recordable` as config.json, and the
-    spec it opened under as spec.json where none is recorded (unless `spec` was given: an import
-    records its archive's spec once it succeeds)."""
-    from agentstate.ops.admin import is_store, record_spec, recorded_spec
+    spec it opened under as spec.json where none is recorded (`StateStore.open` does both)."""
     from agentstate.store import StateStore
 
     config = loaded.store
     root = Path(config.path)
-    if not create and not is_store(config):
+    if not create and not is_store(root, shared_catalog=config.catalog_url is not None):
         raise NotFoundError(f"no agentstate data directory at {root}")
     model = spec or directory_spec(root, spec_file, loaded.file)
-    async with StateStore.open(config, model, read_only=read_only) as store:
-        if not read_only:
-            record_config(loaded.recordable, writer)
-            if spec is None and recorded_spec(root) is None:
-                record_spec(root, model)
+    async with StateStore.open(config, model, read_only=read_only, writer=writer, recorded=loaded.recordable) as store:
         yield store
 
 

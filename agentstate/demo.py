@@ -37,8 +37,7 @@ from rich.table import Table
 from agentstate import StateStore
 from agentstate.config import StoreConfig
 from agentstate.errors import SessionNotFoundError
-from agentstate.ops.admin import record_spec
-from agentstate.settings import read_config_file, record_config, store_config
+from agentstate.settings import read_config_file, store_config
 
 REPLY_TOKENS = 8
 VOCAB = 32000
@@ -131,14 +130,12 @@ async def run_stored(
     out: list[Turn] = []
     turns = len(users[0])
     pending: dict[int, int] = {}  # each agent's last reply token: sampled, not yet fed to the model
-    store = await StateStore.open(config, spec)
-    try:
-        record_spec(config.path, spec)  # so `agentstate ls -p DIR` and the other admin commands open it,
-        record_config(config, "agentstate demo")  # under the same tiers
+    store = await StateStore.open(config, spec, writer="agentstate demo")  # records spec and config, so
+    try:  # `agentstate ls -p DIR` and the other admin commands open it under the same tiers
         for turn in range(turns):
             if turn == turns // 2 and turn:
                 await store.close()  # a restart: the host tier is gone, LMDB serves what follows
-                store = await StateStore.open(config, spec)
+                store = await StateStore.open(config, spec, writer="agentstate demo")
             for agent, msgs in enumerate(users):
                 sid = f"agent-{agent}"
                 t0 = time.perf_counter()

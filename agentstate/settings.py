@@ -25,26 +25,25 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import ConfigDict, ValidationError, create_model
 from pydantic_settings import BaseSettings, EnvSettingsSource
 from pydantic_settings.exceptions import SettingsError
 
 from agentstate.config import StoreConfig
+from agentstate.datadir.files import CONFIG, REDACTED, is_redacted  # noqa: F401  (REDACTED re-exported)
+from agentstate.datadir.files import record_config, record_config_unheld, recorded_config  # noqa: F401  (re-exported)
 from agentstate.errors import ConfigError, InvalidArgumentError, MissingDependencyError, NotFoundError
 from agentstate.spec import ModelSpec
 
 CONFIG_ENV = "AGENTSTATE_CONFIG_FILE"
-RECORDED = "config.json"
+RECORDED = CONFIG
 """The config a writer recorded in its data directory (next to spec.json)."""
 TABLES = ("spec", "service", "sglang", "vllm", "recorded")
-REDACTED = "***"
 S = TypeVar("S", bound=BaseSettings)
 _StoreKeys = create_model(  # StoreConfig's keys checked alone: no env read, no defaults filled in
     "StoreKeys", __config__=ConfigDict(extra="forbid"),
@@ -177,7 +176,7 @@ def store_config(file: ConfigFile | None = None, **flags: Any) -> StoreConfig:
     name = str(file.source) if file else ""
     config = layered(StoreConfig, file.store if file else {}, flags, file_name=name, env_prefix="AGENTSTATE_")
     for key, value in _strings(config.model_dump(mode="json")):
-        if f":{REDACTED}@" in value:
+        if is_redacted(value):
             raise InvalidArgumentError(
                 f"{key} in {file.source if file else 'the config'} had its password removed when it was recorded:"
                 f" give it again (env AGENTSTATE_{key.split('.')[0].upper()}, or --config FILE)"
@@ -202,78 +201,7 @@ def adapter_keys(table: str, own: dict[str, Any], rest: dict[str, Any]) -> tuple
     return own, rest
 
 
-# -- the config recorded in a data directory -----------------------------------------------------------
-
-
-def record_config(config: StoreConfig, writer: str) -> Path:
-    """Write `config` as `<config.path>/config.json` (atomically: a temp file, fsync'd, renamed),
-    with every URL's password replaced by `***`; `writer` is noted in its `recorded` table."""
-    root = Path(config.path)
-    values = config.model_dump(mode="json")
-    values["path"] = str(root.resolve())
-    values["tiers"] = [{"kind": t.kind, **t.model_dump(mode="json", exclude_defaults=True)} for t in config.tier_list()]
-    values = _redacted(values)
-    from agentstate._version import __version__
-
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    values["recorded"] = {"by": writer, "at": stamp, "pid": os.getpid(), "agentstate": __version__}
-    target = root / RECORDED
-    tmp = root / f".{RECORDED}.{os.getpid()}.tmp"
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        with open(tmp, "w", encoding="utf-8") as out:
-            out.write(json.dumps(values, indent=2) + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return target
-
-
-def record_config_unheld(config: StoreConfig, writer: str) -> Path:
-    """`record_config` by a writer that opens the directory afterwards (`agentstate serve`): the
-    directory's lock is taken for the write, so one that another writer holds is refused
-    (DataDirLockedError), not rewritten."""
-    from agentstate.chunks.lock import DataDirLock
-
-    lock = DataDirLock.acquire(Path(config.path))
-    try:
-        return record_config(config, writer)
-    finally:
-        lock.release()
-
-
-def recorded_config(path: str | os.PathLike[str]) -> ConfigFile | None:
-    """The config recorded in data directory `path` (its `path` is the directory, wherever it moved), or None."""
-    file = Path(path) / RECORDED
-    if not file.is_file():
-        return None
-    found = read_config_file(file)
-    found.store["path"] = str(Path(path))
-    return found
-
-
-def _redacted(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _redacted(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redacted(v) for v in value]
-    if isinstance(value, str) and "://" in value and "@" in value:
-        try:
-            url = urlsplit(value)
-            if url.password:
-                user = url.username or ""
-                host = url.netloc.rpartition("@")[2]
-                return urlunsplit(url._replace(netloc=f"{user}:{REDACTED}@{host}"))
-        except ValueError:
-            return value
-    return value
+# -- the config recorded in a data directory: `agentstate.datadir` owns it -------------------------
 
 
 def _strings(value: Any, key: str = "") -> list[tuple[str, str]]:

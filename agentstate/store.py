@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
+from agentstate import datadir
 from agentstate.backends.base import BackendStats
 from agentstate.chunks import PrefetchHandle, PrefetchPolicy, deadline_for
 from agentstate.config import StoreConfig
@@ -43,23 +44,34 @@ class StateStore(SessionOps):
     """
 
     @classmethod
-    def open(cls, path_or_config: str | Path | StoreConfig, spec: ModelSpec, **overrides: Any) -> _Opening:
+    def open(
+        cls, path_or_config: str | Path | StoreConfig, spec: ModelSpec, *, read_only: bool = False,
+        writer: str = "agentstate.StateStore", recorded: StoreConfig | None = None, **overrides: Any,
+    ) -> _Opening:  # fmt: skip
         """Open a data directory (taking its lock: one writer at a time, DataDirLockedError otherwise).
 
+        `spec` must be the one the directory records, if it records one (SpecMismatchError naming
+        the fields that differ). A writer records its spec where none is, and the config it opened
+        with (`recorded`, default the one opened; `writer` names it), so that `agentstate ls -p DIR`
+        and the other admin commands open the same spec and tiers (`agentstate.datadir`).
         `read_only=True` shares the lock with other readers instead (the admin CLI's inspecting
-        commands); such a store must not be written.
+        commands) and records nothing; such a store must not be written.
         """
-        read_only = bool(overrides.pop("read_only", False))
         if isinstance(path_or_config, StoreConfig):
             config = path_or_config.model_copy(update=overrides) if overrides else path_or_config
         else:
             config = StoreConfig(path=Path(path_or_config), **overrides)
-        return _Opening(cls(config, spec, read_only=read_only))
+        store = cls(config, spec, read_only=read_only)
+        return _Opening(store, None if read_only else (recorded or config, writer))
 
-    async def _start(self) -> StateStore:
-        """Adopt what the persistent tiers hold: a reopened store finds all it had."""
+    async def _start(self, record: tuple[StoreConfig, str] | None = None) -> StateStore:
+        """Check the spec against the directory's, adopt what the persistent tiers hold (a reopened
+        store finds all it had), then record spec and config (`record`: what, and by whom)."""
         try:
+            datadir.check_spec(self.config.path, self.spec)
             await self.chunks.open(self.key_prefixes)
+            if record is not None:
+                datadir.record(record[0], self.spec, record[1])
         except BaseException:
             await self.close()
             raise
@@ -211,14 +223,15 @@ class StateStore(SessionOps):
 class _Opening:
     """What `StateStore.open` returns: awaitable, or an async context manager that closes the store."""
 
-    def __init__(self, store: StateStore) -> None:
+    def __init__(self, store: StateStore, record: tuple[StoreConfig, str] | None) -> None:
         self._store = store
+        self._record = record
 
     def __await__(self) -> Generator[Any, None, StateStore]:
-        return self._store._start().__await__()
+        return self._store._start(self._record).__await__()
 
     async def __aenter__(self) -> StateStore:
-        return await self._store._start()
+        return await self._store._start(self._record)
 
     async def __aexit__(self, *exc: object) -> None:
         await self._store.close()

@@ -17,6 +17,7 @@ from typing_extensions import Self
 from agentstate.catalog import Catalog, LMDBCatalog
 from agentstate.chunks import ChunkStore, Span
 from agentstate.config import StoreConfig
+from agentstate.datadir import CATALOG
 from agentstate.errors import AgentStateError, KVShapeError
 from agentstate.keyed_locks import KeyedLocks
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, ChunkKey, chunk_keys, namespace_for, validate_id
@@ -62,7 +63,7 @@ class StoreBase:
 
     def _build_catalog(self) -> Catalog:
         if self.config.catalog_url is None:
-            return LMDBCatalog(Path(self.config.path) / "catalog")
+            return LMDBCatalog(Path(self.config.path) / CATALOG)
         from agentstate.catalog.redis import RedisCatalog
 
         return RedisCatalog(

@@ -29,6 +29,7 @@ from tests.requires import require_module, skip_or_fail  # noqa: I001 (guards th
 from tests.sglang_child import TORCHVISION_PLACEHOLDER
 require_module("sglang.srt.mem_cache.storage.backend_factory", "install requirements-sglang.txt as .ci/run does")
 from agentstate.adapters.sglang import AgentStateStorage
+from agentstate.errors import SpecMismatchError
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
@@ -221,8 +222,10 @@ def test_tp_rank_and_dtype_never_collide(attach: Callable[..., AgentStateStorage
     assert first.batch_set_v1(["k0", "k1"], pages(0, 1)) == [True, True]
     names = {first.storage_key("k0")}
     first.close()
-    for pool, rank in ((fp16, 0), (bf16, 1)):  # same path and SGLang keys; another dtype, another rank
-        other = attach(pool, tp_rank=rank, tp_size=2 if rank else 1)
+    with pytest.raises(SpecMismatchError, match="dtype 'float16' != 'bfloat16'"):
+        attach(fp16)  # the same rank directory records the bf16 spec: another dtype is refused, naming it
+    for pool, rank, path in ((fp16, 0, tmp_path / "fp16"), (bf16, 1, None)):  # same SGLang keys
+        other = attach(pool, path=path, tp_rank=rank, tp_size=2 if rank else 1)
         assert other.batch_exists(["k0", "k1"]) == 0 and other.batch_get_v1(["k0"], pages(5)) == [False]
         names.add(other.storage_key("k0"))
         other.close()

@@ -162,7 +162,7 @@ async def test_flipped_byte_is_a_miss_and_nothing_wrong_is_returned(tmp_path: Pa
         assert r.complete and bits_equal(r.kv, kv)
 
 
-async def test_bad_input_raises_typed_errors_and_keeps_data(open_store) -> None:  # type: ignore[no-untyped-def]
+async def test_bad_input_raises_typed_errors_and_keeps_data(open_store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     tokens, kv = random_tokens(200), random_kv(SPEC4, 200)
     async with open_store() as store:
         await store.snapshot("good", tokens, kv)
@@ -190,7 +190,10 @@ async def test_bad_input_raises_typed_errors_and_keeps_data(open_store) -> None:
         r = await store.resume("good")
         assert r.manifest.version == 1 and bits_equal(r.kv, kv)
     other = SPEC4.model_copy(update={"model_id": "test/other-model"})
-    async with open_store(other) as store:
+    with pytest.raises(SpecMismatchError, match="model_id 'test/other-model' != 'test/"):
+        await open_store(other)  # the directory records SPEC4: another spec is refused, naming the field
+    (tmp_path / "data" / "spec.json").unlink()  # without a record (an older version's directory) it opens,
+    async with open_store(other, read_only=True) as store:  # and still never serves SPEC4's state
         with pytest.raises(SpecMismatchError):
             await store.resume("good")
         assert (await store.match(tokens)).tokens == 0  # another spec never matches these chunks

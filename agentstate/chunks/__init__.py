@@ -6,7 +6,7 @@ insides.
 """
 
 from agentstate.chunks.io import batches
-from agentstate.chunks.lock import DataDirLock
+from agentstate.datadir.lock import DataDirLock
 from agentstate.chunks.prefetch import PrefetchHandle, PrefetchPolicy, deadline_for
 from agentstate.chunks.store import ChunkStore, EvictResult, TierInfo
 from agentstate.chunks.tiers import Value

@@ -33,7 +33,7 @@ from agentstate.chunks.eviction import make_policy
 from agentstate.chunks.holds import Hold, Holds
 from agentstate.chunks.index import ChunkIndex
 from agentstate.chunks.io import Batch, IOEngine, batches
-from agentstate.chunks.lock import DataDirLock
+from agentstate.datadir.lock import DataDirLock
 from agentstate.chunks.prefetch import PrefetchHandle
 from agentstate.chunks.registry import build_backend
 from agentstate.chunks.tiers import Tier, TierManager, Value

@@ -2,9 +2,9 @@
 `agentstate.ops.verify`, export and import in `agentstate.ops.archive`).
 
 Each operation takes an open StateStore and returns a pydantic model, so the CLI only parses
-arguments and prints (`--json` is `model_dump_json`). `open_store` finds a data directory's
-ModelSpec the way `agentstate serve` records it (`<path>/spec.json`), and refuses to guess one:
-opening a directory under the wrong spec would show it as empty.
+arguments and prints (`--json` is `model_dump_json`). `open_store` opens a data directory under
+the ModelSpec and the config its writer recorded (`agentstate.datadir`), and refuses to guess a
+spec: opening a directory under the wrong spec would show it as empty.
 """
 
 from __future__ import annotations
@@ -15,21 +15,21 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from agentstate import codec
 from agentstate.chunks import EvictResult
 from agentstate.chunks import TierInfo as ChunkTierInfo
-from agentstate.config import StoreConfig
-from agentstate.errors import ConfigError, InvalidArgumentError, NotFoundError, SpecMismatchError
+from agentstate.datadir import SPEC, directory_spec, is_store, read_spec_file, record_spec, recorded_spec  # noqa: F401
+from agentstate.errors import InvalidArgumentError
 from agentstate.keys import PAGE_PREFIX, validate_id
 from agentstate.manifest import SessionManifest
 from agentstate.ops.reports import ChunkInfo, GcReport, SessionDetail, SessionRow, dumps  # noqa: F401  (re-exported)
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore, StoreStats
 
-SPEC_FILE = "spec.json"
-"""Where a data directory records its ModelSpec (the file `agentstate serve` writes)."""
+SPEC_FILE = SPEC
+"""Where a data directory records its ModelSpec (`agentstate.datadir`)."""
 
 
 class Progress(Protocol):
@@ -51,64 +51,14 @@ class _Quiet:
 QUIET: Progress = _Quiet()
 
 
-# -- opening a data directory ----------------------------------------------------------------------
-
-
-def read_spec_file(file: Path) -> ModelSpec:
-    try:
-        return ModelSpec.model_validate_json(Path(file).read_text())
-    except FileNotFoundError:
-        raise NotFoundError(f"no spec file {file}") from None
-    except (OSError, ValidationError) as exc:
-        raise InvalidArgumentError(f"{file} is not a ModelSpec (JSON): {_short(exc)}") from None
-
-
-def recorded_spec(path: Path) -> ModelSpec | None:
-    file = Path(path) / SPEC_FILE
-    return read_spec_file(file) if file.exists() else None
-
-
-def record_spec(path: Path, spec: ModelSpec) -> None:
-    """Record `spec` as the directory's spec (atomically), as `agentstate serve` does."""
-    file = Path(path) / SPEC_FILE
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(".tmp")
-    tmp.write_text(spec.model_dump_json(indent=2))
-    tmp.replace(file)
+# -- opening a data directory (its layout and records: `agentstate.datadir`) -----------------------
 
 
 def resolve_spec(path: Path, spec_file: Path | None) -> ModelSpec:
-    """The spec to open `path` with: `spec_file`, else the recorded one; they must agree."""
+    """The spec to open `path` with: `spec_file`, else the recorded one; a given one must be the
+    recorded one (SpecMismatchError naming the fields that differ)."""
     given = read_spec_file(spec_file) if spec_file is not None else None
-    recorded = recorded_spec(path)
-    if given is not None and recorded is not None and given.fingerprint != recorded.fingerprint:
-        raise SpecMismatchError(
-            f"{spec_file} is spec {given.fingerprint}, {path} records {recorded.fingerprint} in {SPEC_FILE}"
-        )
-    spec = given or recorded
-    if spec is None:
-        raise NotFoundError(f"no ModelSpec recorded in {Path(path) / SPEC_FILE}: pass --spec FILE (ModelSpec JSON)")
-    return spec
-
-
-def store_config(path: Path, tenant: str | None = None) -> StoreConfig:
-    """StoreConfig for `path`; everything else from `AGENTSTATE_*` env vars, like the service."""
-    if tenant is not None:
-        validate_id(tenant, "tenant")
-    try:
-        return StoreConfig(path=Path(path)) if tenant is None else StoreConfig(path=Path(path), tenant=tenant)
-    except ValidationError as exc:
-        errors = exc.errors()
-        raise ConfigError(
-            f"invalid store configuration (AGENTSTATE_* env vars): {_short(exc)}",
-            key=".".join(map(str, errors[0]["loc"])) if errors else None,
-        ) from None
-
-
-def is_store(config: StoreConfig) -> bool:
-    """A data directory has a catalog or a recorded spec (a lost catalog must not hide its chunks)."""
-    root = Path(config.path)
-    return (root / "catalog").is_dir() or (root / SPEC_FILE).is_file() or config.catalog_url is not None
+    return directory_spec(path, given, source=f"the spec of {spec_file}")
 
 
 @contextlib.asynccontextmanager
@@ -116,22 +66,21 @@ async def open_store(
     path: Path, *, tenant: str | None = None, spec_file: Path | None = None, spec: ModelSpec | None = None,
     create: bool = False, read_only: bool = False,
 ) -> AsyncIterator[StateStore]:  # fmt: skip
-    """Open an existing data directory (or create one, for import) under its recorded spec.
+    """Open an existing data directory (or create one, for import) under its recorded spec and
+    its recorded config (the tiers its writer used; env vars on top), as the admin CLI does.
 
     `read_only` shares the directory's lock with other readers (ls, inspect, stats, verify,
     export); the write commands take it alone, so they refuse a directory a server holds.
     """
-    config = store_config(path, tenant)
-    if not create and not is_store(config):
-        raise NotFoundError(f"no agentstate data directory at {path}")
-    async with StateStore.open(config, spec or resolve_spec(path, spec_file), read_only=read_only) as store:
+    from agentstate.configured import load, open_configured
+
+    if tenant is not None:
+        validate_id(tenant, "tenant")
+    loaded = load(path=path, tenant=tenant)
+    async with open_configured(
+        loaded, spec_file=spec_file, spec=spec, create=create, read_only=read_only, writer="agentstate.ops"
+    ) as store:  # fmt: skip
         yield store
-
-
-def _short(exc: Exception) -> str:
-    if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()[:3])
-    return str(exc)
 
 
 # -- ls / inspect ------------------------------------------------------------------------------------

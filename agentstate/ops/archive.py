@@ -80,6 +80,7 @@ from agentstate.errors import (
 )
 from agentstate.keys import validate_id
 from agentstate.manifest import SessionManifest, now
+from agentstate.datadir import is_store, spec_differences
 from agentstate.ops.admin import QUIET, Progress
 from agentstate.ops.reserve import Reserve
 from agentstate.snapshots import check_snapshot, hold_retained, snapshot_manifest, write_session
@@ -259,8 +260,8 @@ async def import_sessions(
         index = _read_index(tar, source)
         if index.fingerprint != store.fingerprint:
             raise SpecMismatchError(
-                f"{source} holds KV of spec {index.fingerprint} ({index.spec.model_id}); "
-                f"this store serves {store.fingerprint} ({store.spec.model_id})"
+                f"{source} holds KV of another spec than this store's (archive != store):"
+                f" {', '.join(spec_differences(index.spec, store.spec))}"
             )
         targets = [(tenant or s.tenant, s) for s in index.sessions]
         plans = await _check(store, tar, index, targets, force=force, progress=progress)
@@ -450,7 +451,7 @@ def new_directory_undone(path: Path) -> Iterator[None]:
     alone: `import_sessions` undoes its own writes. Use it around the store's whole open-close."""
     path = Path(path)
     existed = path.exists()
-    if existed and ((path / "catalog").exists() or (path / "spec.json").exists()):
+    if existed and is_store(path):
         yield
         return
     before = set(os.listdir(path)) if existed and path.is_dir() else set()

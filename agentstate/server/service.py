@@ -45,7 +45,7 @@ from agentstate.errors import AgentStateError, InvalidArgumentError, NotFoundErr
 from agentstate.hints import Hint, HintResult
 from agentstate.manifest import SessionManifest
 from agentstate.ops import admin
-from agentstate.ops.admin import SPEC_FILE, record_spec, recorded_spec
+from agentstate.datadir import adopt_spec, directory_spec
 from agentstate.server import logcut
 from agentstate.server.dataplane import Handles, register
 from agentstate.server.gate import (
@@ -277,14 +277,17 @@ async def serve(
     port: int = DEFAULT_PORT,
     tokens: dict[str, str],
     limits: Limits | None = None,
+    writer: str = "agentstate serve",
 ) -> None:
     """Open the store and serve it until SIGINT/SIGTERM; then finish requests in flight, close the
     store, and return (uvicorn re-raises the signal when it stops, which would end the process
-    before the store is closed: here that re-raise is caught)."""
+    before the store is closed: here that re-raise is caught). A directory that records another
+    spec is refused (SpecMismatchError naming the fields); the spec and `config` are recorded in it
+    as `writer`'s."""
     import uvicorn
 
     limits = limits or Limits()
-    async with StateStore.open(config, spec) as store:
+    async with StateStore.open(config, spec, writer=writer) as store:
         app = create_app(store, tokens, limits)
         server = uvicorn.Server(uvicorn_config(app, limits, host=host, port=port))
         log.info(
@@ -389,16 +392,13 @@ def load_tokens(tokens_file: Path | None) -> dict[str, str]:
 
 
 def resolve_spec(path: Path, spec: ModelSpec | None) -> ModelSpec:
-    """The spec given (recorded in `path` if none is yet), else the recorded one; neither is a
-    NotFoundError, never a guess."""
-    if spec is not None:
-        if recorded_spec(path) is None:
-            record_spec(path, spec)
-        return spec
-    recorded = recorded_spec(path)
-    if recorded is not None:
-        return recorded
-    raise NotFoundError(
-        f"no ModelSpec recorded in {path / SPEC_FILE} and none given: pass one the first time (it is recorded and"
-        " used from then on); a guessed spec would serve the directory's sessions as missing"
+    """The spec given (recorded in `path` if none is yet; refused, naming the fields that differ, if
+    another is), else the recorded one; neither is a NotFoundError, never a guess."""
+    hint = (
+        "none given: pass one the first time (it is recorded and used from then on); a guessed spec would serve the"
+        " directory's sessions as missing"
     )
+    found = directory_spec(path, spec, source="the spec to serve", hint=hint)
+    if spec is not None:
+        adopt_spec(path, spec, source="the spec to serve")
+    return found

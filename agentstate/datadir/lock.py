@@ -22,7 +22,8 @@ from pathlib import Path
 
 from agentstate.errors import AgentStateError, BackendError, CapacityError, DataDirLockedError
 
-LOCK_FILE = "LOCK"
+LOCK = "LOCK"
+"""The lock file's name in a data directory (a writer's PID is written into it)."""
 
 
 class DataDirLock:
@@ -39,7 +40,7 @@ class DataDirLock:
     def acquire(cls, directory: str | os.PathLike[str], *, shared: bool = False) -> DataDirLock:
         """Take the directory's lock now, or raise DataDirLockedError (never waits)."""
         root = Path(directory)
-        path = root / LOCK_FILE
+        path = root / LOCK
         created = next((d for d in reversed([root, *root.parents]) if not d.exists()), None)
         try:
             root.mkdir(parents=True, exist_ok=True)
