@@ -1,7 +1,7 @@
 """Session operations of StateStore: snapshot, resume, fork, delete, list, gc, hints, usage.
 
-`StateStore` (store.py: prefixes, matches, loads) derives from SessionOps, which derives from
-StoreBase (store_base.py: a ChunkStore, the catalog, the tenant): one flat API in three files.
+`Sessions` works on a StoreScope (store_base.py: a ChunkStore, the catalog, the tenant);
+`StateStore` (store.py: prefixes, matches, loads) holds one and offers its methods as its own.
 Everything here goes through the catalog, local (LMDB) or shared by every host (Redis), with the
 same rules: data first (one durable write), the manifest last, one atomic compare-and-set on the
 session's version. Chunks are touched only through the ChunkStore's public methods.
@@ -32,7 +32,7 @@ from agentstate.keys import tail_key, validate_id
 from agentstate.manifest import ResumeResult, SessionManifest, now
 from agentstate.snapshots import MAX_STATE_DEPTH as MAX_STATE_DEPTH
 from agentstate.snapshots import check_snapshot, hold_retained, snapshot_manifest, write_session
-from agentstate.store_base import StoreBase
+from agentstate.store_base import StoreScope
 from agentstate.target import KVTarget, TensorTarget
 from agentstate.usage import Usage
 
@@ -40,8 +40,15 @@ log = logging.getLogger("agentstate.sessions")
 _FORCE_RETRIES = 16
 
 
-class SessionOps(StoreBase):
+class Sessions:
     """The session lifecycle; every write goes data first, then one compare-and-set of the manifest."""
+
+    def __init__(self, scope: StoreScope) -> None:
+        self.scope = scope
+        # the parts used here, named as on StateStore (a scope's parts never change)
+        self.chunks, self.catalog, self.usage_log = scope.chunks, scope.catalog, scope.usage_log
+        self.config, self.spec, self.tenant = scope.config, scope.spec, scope.tenant
+        self.fingerprint = scope.fingerprint
 
     async def snapshot(
         self,
@@ -72,10 +79,10 @@ class SessionOps(StoreBase):
         fast tiers (after hinted sessions, within the tenant's share); eviction only moves them down.
         """
         request = check_snapshot(
-            self, session_id, tokens, state, kv=kv, ttl_seconds=ttl_seconds, guaranteed_until=guaranteed_until,
+            self.scope, session_id, tokens, state, kv=kv, ttl_seconds=ttl_seconds, guaranteed_until=guaranteed_until,
             pinned=pinned, expected_version=expected_version, force=force,
         )  # fmt: skip
-        async with self.session_lock(session_id):
+        async with self.scope.session_lock(session_id):
             prev = await self.catalog.get(self.tenant, session_id)
             base = prev.version if prev else 0
             if prev is not None and prev.fingerprint != self.fingerprint and not force:
@@ -85,7 +92,7 @@ class SessionOps(StoreBase):
                 )
             if expected_version is not None and expected_version != base and not force:
                 raise ConflictError(f"session {session_id!r} is at version {base}, expected {expected_version}")
-            manifest = snapshot_manifest(self, request, prev)
+            manifest = snapshot_manifest(self.scope, request, prev)
             tkey = manifest.tail_key
             try:
                 with self.chunks.pinned(named_keys(manifest)):
@@ -97,7 +104,7 @@ class SessionOps(StoreBase):
                 raise
             self.usage_log.add(self.tenant, session_id, written.usage(manifest))
             hold_retained(self.chunks, manifest)
-            await self._collect(committed.zeroed)
+            await self.scope.collect(committed.zeroed)
             if committed.old_tail and committed.old_tail != tkey:
                 await self.chunks.delete([committed.old_tail])
         return manifest
@@ -111,7 +118,7 @@ class SessionOps(StoreBase):
         """
         with contextlib.suppress(AgentStateError):
             if not self.catalog.shared:
-                await self._collect([*keys, *([tkey] if tkey else [])])
+                await self.scope.collect([*keys, *([tkey] if tkey else [])])
             elif tkey and isinstance(exc, ConflictError | SpecMismatchError):
                 await self.chunks.delete([tkey])
 
@@ -163,7 +170,7 @@ class SessionOps(StoreBase):
         kv = None
         if into is None:
             kv = self.chunks.host_tensor(self.spec.kv_shape(manifest.num_tokens), self.spec.torch_dtype)
-        target = self._target(kv if kv is not None else into)
+        target = self.scope.target(kv if kv is not None else into)
         if target.num_tokens < manifest.num_tokens:
             raise KVShapeError(
                 f"into holds {target.num_tokens} tokens, session {session_id!r} has {manifest.num_tokens}"
@@ -175,7 +182,7 @@ class SessionOps(StoreBase):
             await self.chunks.discover(keys)
             # the manifest's chunk size, not this store's: a directory reopened with another
             # chunk_tokens still resumes what it holds
-            spans = self._spans(len(manifest.chunk_keys), manifest.num_tokens, manifest.chunk_tokens)
+            spans = self.scope.spans(len(manifest.chunk_keys), manifest.num_tokens, manifest.chunk_tokens)
             ok = await self.chunks.read(keys, spans, target, usage=usage, lossy=lossy)
         target.synchronize()
         lead = leading(ok)
@@ -210,7 +217,7 @@ class SessionOps(StoreBase):
         """
         validate_id(source_id)
         validate_id(new_id)
-        async with self.session_lock(new_id):
+        async with self.scope.session_lock(new_id):
             if await self.catalog.get(self.tenant, new_id) is not None:
                 raise ConflictError(f"session {new_id!r} already exists")
             for _ in range(_FORCE_RETRIES):
@@ -254,18 +261,19 @@ class SessionOps(StoreBase):
         """Remove a session; chunks no other session or prefix references are deleted (shared
         stores: by the next gc, see `gc`)."""
         validate_id(session_id)
-        async with self.session_lock(session_id):
+        async with self.scope.session_lock(session_id):
             manifest, zeroed = await self.catalog.remove(self.tenant, session_id)
             if manifest is None:
                 raise SessionNotFoundError(f"no session {session_id!r}")
             self.usage_log.forget(self.tenant, session_id)
             for kind in ("hint", "retain"):
                 self.chunks.release(f"{kind}:{self.tenant}/{session_id}")
-            await self._collect(zeroed)
+            await self.scope.collect(zeroed)
             if self.catalog.shared and manifest.tail_key:
                 await self.chunks.delete([manifest.tail_key])
 
     async def sessions(self) -> AsyncIterator[SessionManifest]:
+        """This tenant's live sessions (expired ones left out), each as its current manifest."""
         for manifest in await self.catalog.manifests(self.tenant):
             if not self._hit_known(manifest).expired():
                 yield manifest
@@ -296,11 +304,11 @@ class SessionOps(StoreBase):
             self.chunks.release(f"retain:{self.tenant}/{session_id}")
         else:
             self._hit(manifest)
-        return await self._apply_hint(
+        return await self.apply_hint(
             f"hint:{self.tenant}/{session_id}", session_id, named_keys(manifest), _key_tokens(manifest), parsed
         )
 
-    async def _apply_hint(
+    async def apply_hint(
         self, name: str, session_id: str, keys: list[str], tokens: list[int], parsed: Hint
     ) -> HintResult:
         """Place (or release) the hold `name` on `keys` (`tokens[i]` tokens each) that `parsed` asks for."""
@@ -383,8 +391,8 @@ class SessionOps(StoreBase):
                 live.update(manifest.chunk_keys)
                 if manifest.tail_key:
                     live.add(manifest.tail_key)
-            return removed + await self.chunks.sweep_shared(self.key_prefixes, live)
-        return removed + await self.chunks.sweep(self.key_prefixes, self.catalog.refcounts)
+            return removed + await self.chunks.sweep_shared(self.scope.key_prefixes, live)
+        return removed + await self.chunks.sweep(self.scope.key_prefixes, self.catalog.refcounts)
 
 
 def _key_tokens(manifest: SessionManifest) -> list[int]:

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from pydantic import ValidationError
 
+import agentstate.manifest as manifests  # its clock read through the module: a test that sets it sets it here
 from agentstate.catalog import named_keys
 from agentstate.errors import InvalidArgumentError
 from agentstate.keys import ChunkKey, chunk_keys, tail_key, token_array, validate_id
-from agentstate.manifest import SessionManifest, now
+from agentstate.manifest import SessionManifest
 
 if TYPE_CHECKING:
     from agentstate.chunks import ChunkStore
@@ -36,15 +37,22 @@ MAX_STATE_DEPTH = 128
 
 
 class Scope(Protocol):
-    """Where a session is stored: a StateStore, or one of its tenant views."""
+    """Where a session is stored: a StateStore (or a tenant view of one), or its StoreScope."""
 
-    tenant: str
-    namespace: str
-    fingerprint: str
-    spec: ModelSpec
-    chunk_tokens: int
-    chunks: ChunkStore
-    config: StoreConfig
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def namespace(self) -> str: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def spec(self) -> ModelSpec: ...
+    @property
+    def chunk_tokens(self) -> int: ...
+    @property
+    def chunks(self) -> ChunkStore: ...
+    @property
+    def config(self) -> StoreConfig: ...
 
 
 @dataclass(frozen=True)
@@ -90,10 +98,10 @@ def check_snapshot(
     ):
         raise InvalidArgumentError(f"expected_version must be an int >= 0, got {expected_version!r}")
     _check_seconds("guaranteed_until", guaranteed_until)
-    record_ttl = scope.chunks.record_ttl_s
-    if guaranteed_until is not None and record_ttl is not None and guaranteed_until > now() + record_ttl:
+    record_ttl, stamp = scope.chunks.record_ttl_s, manifests.now()
+    if guaranteed_until is not None and record_ttl is not None and guaranteed_until > stamp + record_ttl:
         raise InvalidArgumentError(
-            f"guaranteed_until is {guaranteed_until - now():.0f}s away, but the record tier"
+            f"guaranteed_until is {guaranteed_until - stamp:.0f}s away, but the record tier"
             f" {scope.chunks.record_tier!r} expires chunks after {record_ttl:g}s: the contract could not be kept"
         )
     keys = chunk_keys(packed, namespace=scope.namespace, fingerprint=scope.fingerprint, chunk_tokens=scope.chunk_tokens)
@@ -108,7 +116,7 @@ def snapshot_manifest(scope: Scope, request: SnapshotRequest, prev: SessionManif
     tkey = None
     if len(request.tokens) > full:
         tkey = tail_key(scope.fingerprint, scope.tenant, request.session_id, version)
-    stamp = now()
+    stamp = manifests.now()
     try:
         return SessionManifest(
             session_id=request.session_id, tenant=scope.tenant, fingerprint=scope.fingerprint,
@@ -162,7 +170,7 @@ async def write_session(
 def hold_retained(chunks: ChunkStore, manifest: SessionManifest) -> None:
     """Hold a session's chunks in the fast tiers while its retention contract is in force."""
     name = f"retain:{manifest.tenant}/{manifest.session_id}"
-    stamp = now()
+    stamp = manifests.now()
     until = manifest.retained_until(stamp)
     if until is None:
         chunks.release(name)

@@ -3,28 +3,47 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import logging
 from collections import Counter
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 from pydantic import BaseModel
+from typing_extensions import Self
 
 from agentstate import datadir
 from agentstate.backends.base import BackendStats
-from agentstate.chunks import PrefetchHandle, PrefetchPolicy, deadline_for
+from agentstate.catalog import Catalog
+from agentstate.chunks import ChunkStore, PrefetchHandle, PrefetchPolicy, deadline_for
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, InvalidArgumentError
 from agentstate.hints import Hint, HintKind, HintResult
 from agentstate.keys import ChunkKey, token_array, validate_id
 from agentstate.manifest import MatchResult
-from agentstate.sessions import SessionOps, leading
+from agentstate.sessions import Sessions, leading
 from agentstate.spec import ModelSpec
+from agentstate.store_base import StoreScope
 from agentstate.target import KVTarget
+from agentstate.usage import UsageLog
 
 log = logging.getLogger("agentstate.store")
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _session_op(op: Callable[Concatenate[Sessions, P], R]) -> Callable[Concatenate[StateStore, P], R]:
+    """`Sessions.<op>` offered as a StateStore method: same signature, same docstring."""
+
+    @functools.wraps(op)
+    def call(self: StateStore, *args: P.args, **kwargs: P.kwargs) -> R:
+        return op(self._sessions, *args, **kwargs)
+
+    call.__qualname__ = f"StateStore.{op.__name__}"
+    return call
 
 
 class StoreStats(BaseModel):
@@ -36,12 +55,107 @@ class StoreStats(BaseModel):
     counters: dict[str, int]
 
 
-class StateStore(SessionOps):
+class StateStore:
     """Per-session and shared-prefix KV state over a host tier and LMDB.
 
     Open with `async with StateStore.open(path_or_config, spec) as store:` (or `await` it and
     `await store.close()`). All methods are coroutines and safe to run concurrently.
+
+    A StateStore has a ChunkStore (`chunks`: every chunk's bytes in every tier), a Catalog
+    (`catalog`: manifests, prefixes, references) and the session operations (`Sessions`), all
+    seen as one tenant (`for_tenant`: another); it adds shared prefixes, matches and loads.
     """
+
+    def __init__(self, config: StoreConfig, spec: ModelSpec, *, read_only: bool = False) -> None:
+        self._bind(StoreScope(config, spec, read_only=read_only))
+
+    def _bind(self, scope: StoreScope) -> None:
+        self._scope = scope
+        self._sessions = Sessions(scope)
+
+    def for_tenant(self, tenant: str) -> Self:
+        """This store seen as another tenant: same chunks and catalog; that tenant's sessions and
+        key namespace. One process serves many tenants this way (the HTTP service does), since a
+        data directory is opened once per process. Closing a view closes nothing.
+        """
+        view = copy.copy(self)
+        view._bind(self._scope.for_tenant(tenant))
+        return view
+
+    # -- what it is made of (the same objects in every tenant view) ----------------------------
+
+    @property
+    def config(self) -> StoreConfig:
+        return self._scope.config
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self._scope.spec
+
+    @property
+    def fingerprint(self) -> str:
+        return self._scope.fingerprint
+
+    @property
+    def tenant(self) -> str:
+        return self._scope.tenant
+
+    @property
+    def namespace(self) -> str:
+        """The chunk keys' sharing scope: this tenant's, or the global one (`shared_namespace`)."""
+        return self._scope.namespace
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self._scope.chunk_tokens
+
+    @property
+    def chunks(self) -> ChunkStore:
+        return self._scope.chunks
+
+    @property
+    def catalog(self) -> Catalog:
+        return self._scope.catalog
+
+    @property
+    def usage_log(self) -> UsageLog:
+        """Accounting and hit times on their way to the catalog (one for every tenant view)."""
+        return self._scope.usage_log
+
+    @property
+    def key_prefixes(self) -> list[str]:
+        """Where this spec's chunks and tails live in every tier (what open adopts and gc sweeps)."""
+        return self._scope.key_prefixes
+
+    def chunk_keys(self, tokens: Sequence[int] | torch.Tensor) -> list[ChunkKey]:
+        """The keys of the full chunks of `tokens` in this tenant's namespace."""
+        return self._scope.chunk_keys(token_array(tokens))
+
+    def session_lock(self, session_id: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """The one writer's place of this tenant's session in this process (see StoreScope)."""
+        return self._scope.session_lock(session_id)
+
+    async def flush(self) -> None:
+        """Wait until background work (promotions of chunks read from slow tiers) is done."""
+        await self._scope.flush()
+
+    async def close(self) -> None:
+        await self._scope.close()
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    snapshot = _session_op(Sessions.snapshot)
+    session = _session_op(Sessions.session)
+    resume = _session_op(Sessions.resume)
+    fork = _session_op(Sessions.fork)
+    delete = _session_op(Sessions.delete)
+    sessions = _session_op(Sessions.sessions)
+    hint = _session_op(Sessions.hint)
+    paused = _session_op(Sessions.paused)
+    resuming = _session_op(Sessions.resuming)
+    done = _session_op(Sessions.done)
+    usage = _session_op(Sessions.usage)
+    gc = _session_op(Sessions.gc)
 
     @classmethod
     def open(
@@ -92,8 +206,8 @@ class StateStore(SessionOps):
         """
         packed = token_array(tokens)
         self.spec.check_kv(kv, len(packed))
-        keys = self._keys(packed)
-        return await self._store_prefix(keys, self._slices(kv, len(keys)), keys)
+        keys = self._scope.chunk_keys(packed)
+        return await self._store_prefix(keys, self._scope.slices(kv, len(keys)), keys)
 
     async def put_chunks(self, tokens: Sequence[int] | torch.Tensor, chunks: dict[int, torch.Tensor]) -> int:
         """Store some full chunks of a shared prefix, by chunk index, without the KV of the others:
@@ -104,7 +218,7 @@ class StateStore(SessionOps):
         prefix through the last given chunk is recorded (kept until removed, as `put_prefix`).
         Returns how many tokens were newly stored.
         """
-        keys = self._keys(token_array(tokens))
+        keys = self._scope.chunk_keys(token_array(tokens))
         if not chunks:
             return 0
         if min(chunks) < 0 or max(chunks) >= len(keys):
@@ -129,7 +243,7 @@ class StateStore(SessionOps):
                 await self.catalog.add_prefix(prefix)
         except BaseException:
             with contextlib.suppress(AgentStateError):  # nothing names what this call wrote
-                await self._collect([keys[i] for i in new])
+                await self._scope.collect([keys[i] for i in new])
             raise
         c = self.chunk_tokens
         self.usage_log.add(self.tenant, None, {
@@ -139,7 +253,7 @@ class StateStore(SessionOps):
 
     async def match(self, tokens: Sequence[int] | torch.Tensor) -> MatchResult:
         """How many leading tokens are cached (whole chunks), and which tier serves each chunk."""
-        keys = self._keys(token_array(tokens))
+        keys = self._scope.chunk_keys(token_array(tokens))
         n = await self.chunks.lookup(keys)
         tiers = [self.chunks.fastest(k) or "" for k in keys[:n]]
         return MatchResult(tokens=n * self.chunk_tokens, chunks=n, tiers=tiers)
@@ -150,7 +264,7 @@ class StateStore(SessionOps):
         Returns once the prefix is known (one batched `exists` per remote tier for chunks the index
         lacks); the reads go on in the background.
         """
-        keys = self._keys(token_array(tokens))
+        keys = self._scope.chunk_keys(token_array(tokens))
         return self.chunks.prefetch(keys[: await self.chunks.lookup(keys)], self.chunk_tokens)
 
     async def load(
@@ -168,9 +282,9 @@ class StateStore(SessionOps):
         missing or corrupt ends the prefix there. Under `best_effort`/`timeout` only what is in
         memory by the deadline is copied; the rest keeps arriving in the background.
         """
-        target = self._target(into)
+        target = self._scope.target(into)
         packed = token_array(tokens)
-        keys = self._keys(packed)
+        keys = self._scope.chunk_keys(packed)
         n = min(await self.chunks.lookup(keys), target.num_tokens // self.chunk_tokens)
         policy = policy or self.config.prefetch_policy
         deadline = deadline_for(
@@ -187,7 +301,7 @@ class StateStore(SessionOps):
         usage: Counter[str] = Counter()
         with self.chunks.pinned(keys[:n]):
             staged = prefetch.staged if prefetch else None
-            ok = await self.chunks.read(keys[:n], self._spans(n), target, staged=staged, usage=usage)
+            ok = await self.chunks.read(keys[:n], self._scope.spans(n), target, staged=staged, usage=usage)
         target.synchronize()
         landed = leading(ok) * self.chunk_tokens
         usage.update(loads=1, tokens_read=landed, tokens_recomputed=len(packed) - landed)
@@ -206,10 +320,10 @@ class StateStore(SessionOps):
         """
         validate_id(name, "hint name")
         parsed = Hint.parse(hint, expected_s)
-        keys = self._keys(token_array(tokens))
+        keys = self._scope.chunk_keys(token_array(tokens))
         keys = keys[: await self.chunks.lookup(keys)]
         self.usage_log.add(self.tenant, None, {"hints": 1})
-        return await self._apply_hint(
+        return await self._sessions.apply_hint(
             f"prefix:{self.tenant}/{name}", name, list(keys), [self.chunk_tokens] * len(keys), parsed
         )
 

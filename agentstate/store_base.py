@@ -1,6 +1,8 @@
-"""StoreBase: what a StateStore is made of (a ChunkStore, a catalog, a tenant) and the helpers its
-operations share. The chunk layer (`agentstate.chunks`) owns every chunk's bytes; this layer owns
-sessions, prefixes and the references that keep chunks alive.
+"""StoreScope: what a StateStore is made of (a ChunkStore, a catalog, the accounting log, the
+writers' locks), seen as one tenant, and the helpers its operations share. The chunk layer
+(`agentstate.chunks`) owns every chunk's bytes; this layer owns sessions, prefixes and the
+references that keep chunks alive. `StateStore` (store.py) and its session operations
+(`Sessions`, sessions.py) each hold a scope: composed, not derived.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from agentstate.usage import UsageLog
 log = logging.getLogger("agentstate.store")
 
 
-class StoreBase:
-    """Construction and shared plumbing; the API is StateStore (store.py) and SessionOps (sessions.py)."""
+class StoreScope:
+    """The parts of one open data directory, as one tenant sees them (`for_tenant`: another)."""
 
     def __init__(self, config: StoreConfig, spec: ModelSpec, *, read_only: bool = False) -> None:
         self.config = config
@@ -46,7 +48,7 @@ class StoreBase:
             raise
         self.usage_log = UsageLog(self.catalog, config.usage_flush_s, enabled=not read_only)
         """accounting and hit times on their way to the catalog (one for every tenant view)"""
-        self._locks = KeyedLocks()
+        self.locks = KeyedLocks()
         """one writer at a time per tenant/session (shared by every tenant view)"""
         self._owner = True
 
@@ -93,12 +95,14 @@ class StoreBase:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
+    def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
+        """The keys of the full chunks of `tokens` in this tenant's namespace."""
         return list(
             chunk_keys(tokens, namespace=self.namespace, fingerprint=self.fingerprint, chunk_tokens=self.chunk_tokens)
         )
 
-    def _slices(self, kv: torch.Tensor, count: int) -> list[torch.Tensor]:
+    def slices(self, kv: torch.Tensor, count: int) -> list[torch.Tensor]:
+        """The first `count` full chunks of canonical `kv`, as views."""
         c = self.chunk_tokens
         return [kv[:, :, i * c : (i + 1) * c] for i in range(count)]
 
@@ -107,14 +111,15 @@ class StoreBase:
         """Hold the one writer's place of this tenant's session in this process (every tenant view
         shares it): what snapshot, fork and delete take, and what an import holds for each session
         it replaces from its check to its commit, so none of them runs in between."""
-        async with self._locks.hold(f"{self.tenant}/{session_id}"):
+        async with self.locks.hold(f"{self.tenant}/{session_id}"):
             yield
 
-    async def _collect(self, keys: Sequence[str]) -> None:
+    async def collect(self, keys: Sequence[str]) -> None:
         """Delete what lost its last reference (or never got one), unless something pinned it meanwhile."""
         await self.chunks.collect(list(keys), self.catalog.refcounts)
 
-    def _target(self, into: object) -> KVTarget:
+    def target(self, into: object) -> KVTarget:
+        """`into` as a KVTarget (a canonical tensor is wrapped); KVShapeError for anything else."""
         if isinstance(into, KVTarget):
             return into
         if not isinstance(into, torch.Tensor) or into.dim() != 5:
@@ -123,7 +128,7 @@ class StoreBase:
             )
         return TensorTarget(into, self.spec)
 
-    def _spans(self, count: int, total: int | None = None, chunk_tokens: int | None = None) -> list[Span]:
+    def spans(self, count: int, total: int | None = None, chunk_tokens: int | None = None) -> list[Span]:
         """Spans of `count` full chunks (of `chunk_tokens`, default this store's), plus a tail
         running to `total` tokens when given."""
         c = chunk_tokens or self.chunk_tokens

@@ -115,7 +115,7 @@ async def point(cls: type[Holds], holds: int, samples: int) -> dict[str, Any]:
             prompts = [system + tokens(100 + i, CHUNK) for i in range(OWN_AGENTS)]
             for i, prompt in enumerate(prompts):
                 await store.put_prefix(prompt, kv(len(prompt), 100 + i))
-            keys = [list(store._keys(p)) for p in prompts]
+            keys = [list(store.chunk_keys(p)) for p in prompts]
             other = store.for_tenant("other")
             await other.snapshot("s", prompts[0][: 3 * CHUNK + 10], kv(3 * CHUNK + 10, 7))
             gc.collect()

@@ -206,7 +206,7 @@ async def _hint_cost(root: Path, others: int) -> list[int]:
     async with StateStore.open(cfg, SPEC4) as store:
         prompt = random_tokens(PROMPT, seed=1)
         await store.put_prefix(prompt, random_kv(SPEC4, PROMPT, seed=1))
-        keys = list(store._keys(prompt))  # what the connector's prefix hints hold: the stored prefix
+        keys = list(store.chunk_keys(prompt))  # what the connector's prefix hints hold: the stored prefix
         for i in range(others):  # distinct agent ids over the shared prefix, each with its own turns
             store.chunks.hold(
                 f"prefix:default/agent-{i}", "default", [*keys, f"own-{i}-a", f"own-{i}-b"],

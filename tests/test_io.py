@@ -146,7 +146,7 @@ async def test_load_over_four_tiers_into_a_shuffled_paged_pool(open_store) -> No
         TierConfig(kind="lmdb"),
     ]
     async with open_store(tiers=layout, write_policy="write_back") as store:
-        keys = store._keys(tokens)
+        keys = store.chunk_keys(tokens)
         values = [codec.encode(kv[:, :, i * 64 : (i + 1) * 64], store.fingerprint, key=k) for i, k in enumerate(keys)]
         place = ["device", "host", "file", "lmdb"] * 2  # each tier alone holds two chunks
         for key, value, tier in zip(keys, values, place):

@@ -52,3 +52,19 @@ def _reaches(path: Path) -> list[str]:
 def test_no_module_uses_another_modules_private_names() -> None:
     reaches = {p.relative_to(ROOT).as_posix(): r for p in MODULES if (r := _reaches(p))}
     assert reaches == {}
+
+
+def test_state_store_is_composed_and_offers_every_session_operation() -> None:
+    """StateStore has its parts (issue 26, room 7): no base class, and each public method of Sessions is
+    offered with the same signature and docstring."""
+    import inspect
+
+    from agentstate.sessions import Sessions
+    from agentstate.store import StateStore
+
+    assert StateStore.__bases__ == (object,)
+    assert inspect.signature(StateStore.__init__).parameters.keys() == {"self", "config", "spec", "read_only"}
+    offered = {n for n, f in inspect.getmembers(Sessions, inspect.isfunction) if not n.startswith("_")} - {"apply_hint"}
+    for name in offered:
+        mine, theirs = getattr(StateStore, name), getattr(Sessions, name)
+        assert inspect.signature(mine) == inspect.signature(theirs) and mine.__doc__ == theirs.__doc__, name

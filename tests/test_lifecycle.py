@@ -138,7 +138,7 @@ async def test_mixed_load_with_gc_is_exact_after_and_after_reopen(tmp_path: Path
                     elif op == "prefix":
                         d = rng.randrange(len(docs))
                         await store.put_prefix(docs[d], doc_kv[d])
-                        prefixes.append(store._keys(docs[d]))
+                        prefixes.append(store.chunk_keys(docs[d]))
                     elif op == "resume" and expect:
                         sid = rng.choice(sorted(expect))
                         want = expect.get(sid)
@@ -186,7 +186,7 @@ async def test_gc_sweeps_leftovers_of_every_durable_tier(tmp_path: Path) -> None
         await store.snapshot("keep", tokens, random_kv(SPEC4, 70))
         keep = await named(store, [])
         orphans = random_tokens(64, seed=3)
-        leftover = store._keys(orphans)
+        leftover = store.chunk_keys(orphans)
         with store.chunks.pinned(leftover):
             await store.chunks.write(leftover, [random_kv(SPEC4, CHUNK, seed=i) for i in range(4)], durable=True)
         assert set(leftover) <= await stored(store, "file") and set(leftover) <= await stored(store, "lmdb")

@@ -191,7 +191,7 @@ async def test_killing_a_cluster_node_gives_correct_kv_or_clean_misses(tmp_path:
                 loaded.append(n)
                 # Never past the first chunk on the dead node. (Not always up to it: while the client
                 # refreshes its slot map it may drop connections to live nodes too.)
-                alive = [key_slot(f"agentstate:{k}".encode()) not in dead_slots for k in r._keys(tokens)]
+                alive = [key_slot(f"agentstate:{k}".encode()) not in dead_slots for k in r.chunk_keys(tokens)]
                 assert n <= 64 * (alive.index(False) if False in alive else len(alive))
             assert sum(loaded) > 0  # per-node pipelines: the live nodes keep serving their chunks
             assert (await remote.stats()).errors >= 1 and remote.trips >= 1  # type: ignore[attr-defined]

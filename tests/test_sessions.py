@@ -175,7 +175,7 @@ async def test_concurrent_snapshots_of_one_session_serialize(store: StateStore) 
         r = await store.resume(sid)
         assert r.manifest.version == len(versions[sid])
         assert r.manifest.tokens == toks[r.state["w"]] and bits_equal(r.kv, kvs[r.state["w"]])
-    assert len(store._locks) == 0
+    assert len(store._scope.locks) == 0
 
 
 async def test_keyed_lock_survives_a_woken_waiter() -> None:

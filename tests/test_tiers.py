@@ -43,7 +43,7 @@ async def test_filling_every_tier_past_capacity_never_overshoots_or_loses_a_chun
             await assert_within_capacity(store)
         counts = (await store.stats()).counters
         assert counts["demotions"] > 0 and counts["evictions"] > 0 and counts["promotions"] > 0
-        held = [store.chunks._manager.holders(k) for t, _ in prefixes for k in store._keys(t)]
+        held = [store.chunks._manager.holders(k) for t, _ in prefixes for k in store.chunk_keys(t)]
         assert all(held)  # every chunk still lives somewhere
 
 
@@ -51,11 +51,11 @@ async def test_write_policies_place_chunks(open_store) -> None:  # type: ignore[
     tokens, kv = random_tokens(128), random_kv(SPEC4, 128)
     async with open_store(write_policy="write_through") as store:
         await store.put_prefix(tokens, kv)
-        assert [set(set(store.chunks.where(k))) for k in store._keys(tokens)] == [{"host", "lmdb"}] * 2
+        assert [set(set(store.chunks.where(k))) for k in store.chunk_keys(tokens)] == [{"host", "lmdb"}] * 2
     async with open_store(write_policy="write_back") as store:
         other = random_tokens(128, seed=9)
         await store.put_prefix(other, kv)
-        assert [set(set(store.chunks.where(k))) for k in store._keys(other)] == [{"host"}] * 2
+        assert [set(set(store.chunks.where(k))) for k in store.chunk_keys(other)] == [{"host"}] * 2
         man = await store.snapshot("s", other + [1], torch.cat([kv, kv[:, :, :1]], dim=2))
         assert all("lmdb" in store.chunks.where(k) for k in man.chunk_keys)  # sessions are durable anyway
 
@@ -64,7 +64,7 @@ async def test_selective_write_through_writes_down_hot_chunks(open_store) -> Non
     tokens, kv = random_tokens(128), random_kv(SPEC4, 128)
     async with open_store(write_policy="write_through_selective", write_through_threshold=2) as store:
         await store.put_prefix(tokens, kv)
-        keys = store._keys(tokens)
+        keys = store.chunk_keys(tokens)
         assert not any("lmdb" in store.chunks.where(k) for k in keys)
         await store.load(tokens, torch.empty_like(kv))
         assert not any("lmdb" in store.chunks.where(k) for k in keys)
@@ -79,7 +79,7 @@ async def test_exclusive_cache_tiers_hold_no_duplicates(open_store) -> None:  # 
     tokens, kv = random_tokens(128), random_kv(SPEC4, 128)
     async with open_store(tiers=tiers(host_chunks=10, device_chunks=10), exclusive=True) as store:
         await store.put_prefix(tokens, kv)
-        keys = store._keys(tokens)
+        keys = store.chunk_keys(tokens)
         assert [set(store.chunks.where(k)) for k in keys] == [{"host", "lmdb"}] * 2
         await store.load(tokens, torch.empty_like(kv))
         await store.flush()
@@ -118,7 +118,7 @@ async def test_eviction_under_pressure_keeps_every_session_resumable(open_store)
         await store.put_prefix(system, sys_kv)
         doc, doc_kv = random_tokens(128, seed=2), random_kv(SPEC4, 128, seed=2)
         await store.put_prefix(doc, doc_kv)  # write-back: a prefix no session shares lives only in host ...
-        assert all(set(store.chunks.where(k)) == {"host"} for k in store._keys(doc))
+        assert all(set(store.chunks.where(k)) == {"host"} for k in store.chunk_keys(doc))
         for i in range(12):
             own = random_tokens(100 + 10 * i, seed=100 + i)
             kv = torch.cat([sys_kv, random_kv(SPEC4, len(own), seed=200 + i)], dim=2)
