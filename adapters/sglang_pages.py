@@ -1,42 +1,35 @@
-"""Helpers of the SGLang HiCache adapter: settings, page layouts, the page target, the loop thread.
+"""Helpers of the SGLang HiCache adapter: its settings, page layouts, the page target.
 
 Kept apart from `agentstate.adapters.sglang` so that the parts that need no SGLang import (and
-are the ones worth reading first) stay small: how an engine page becomes canonical KV, and how
-threaded callers reach one asyncio store.
+are the ones worth reading first) stay small: how an engine page becomes canonical KV. What every
+adapter shares (settings base, loop thread, never-raise guard) is `agentstate.adapters.runtime`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import functools
 import mmap
 import re
-import threading
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from typing_extensions import Self
+from pydantic import Field
 
 from agentstate import codec
-from agentstate.errors import BackendError, InvalidArgumentError
+from agentstate.adapters import runtime
+from agentstate.adapters.runtime import LoopThread, never_raises  # noqa: F401 - what sglang.py imports from here
+from agentstate.errors import InvalidArgumentError
 from agentstate.memory import host_buffer
-from agentstate.settings import adapter_keys, problems
 from agentstate.spec import DTYPE_NAMES, ModelSpec
 from agentstate.target import GuardedTarget
 
-T = TypeVar("T")
-F = TypeVar("F", bound=Callable[..., Any])
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
 """Keys of SGLang's dynamic-backend extra config that belong to SGLang, not to the store."""
 _KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@-]{0,255}")
 
 
-class AdapterSettings(BaseModel):
+class SglangSettings(runtime.AdapterSettings):
     """The adapter's own keys of `--hicache-storage-backend-extra-config`; all other keys
     (`tiers`, `host_capacity_bytes`, `write_policy`, ...) go to `StoreConfig` unchanged.
 
@@ -45,53 +38,20 @@ class AdapterSettings(BaseModel):
     the vLLM connector) holds these keys, under the inline ones; its `path` is the data root unless
     one is given here."""
 
-    model_config = ConfigDict(extra="forbid")
     table: ClassVar[str] = "sglang"
+    engine_keys: ClassVar[frozenset[str]] = SGLANG_KEYS
 
     path: Path = Field(default=Path("agentstate-hicache"), description="data root; one directory per rank below it")
     model_id: str | None = Field(default=None, description="overrides SGLang's model name in the fingerprint")
-    revision: str = Field(default="main", description="model revision in the fingerprint")
     timeout_s: float = Field(default=60.0, gt=0, description="longest one SGLang call waits for the store")
-    config_file: Path | None = Field(
-        default=None, description="config file (TOML, YAML, JSON) under env vars and inline keys; default: env"
-        " AGENTSTATE_CONFIG_FILE",
-    )  # fmt: skip
-
-    @classmethod
-    def split(cls, extra: dict[str, Any]) -> tuple[Self, dict[str, Any]]:
-        """(adapter settings, StoreConfig overrides) from an engine's extra config dict, its config
-        file folded in; a bad key or value is InvalidArgumentError."""
-        own = {k: v for k, v in extra.items() if k in cls.model_fields}
-        rest = {k: v for k, v in extra.items() if k not in cls.model_fields and k not in SGLANG_KEYS}
-        own, rest = adapter_keys(cls.table, own, rest)
-        try:
-            return cls(**own), rest
-        except ValidationError as exc:
-            raise InvalidArgumentError(f"agentstate {cls.table} adapter settings: {problems(exc)}") from None
 
 
+AdapterSettings = SglangSettings  # the name sglang.py imports
 def size_of(items: object) -> int:
     try:
         return len(items)  # type: ignore[arg-type]
     except TypeError:
         return 0
-
-
-def never_raises(fallback: Callable[..., Any]) -> Callable[[F], F]:
-    """Turn any exception of an SGLang-facing method into `self._failed(...)` and a `fallback(*args)` answer."""
-
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(self, *args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - the point: nothing may escape into SGLang's threads
-                self._failed(fn.__name__, exc)
-                return fallback(*args, **kwargs)
-
-        return cast(F, guarded)
-
-    return wrap
 
 
 def encode_page(page: torch.Tensor, fingerprint: str, key: str) -> bytearray | mmap.mmap:
@@ -193,33 +153,3 @@ class PagesTarget(GuardedTarget):
     def _place(self, start: int, src: torch.Tensor) -> int:
         self.pages[start // self.page_size].copy_(src)
         return start // self.page_size
-
-
-class LoopThread:
-    """One private asyncio loop in a daemon thread: the sync facade SGLang's worker threads call."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-        self.closed = False
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run `coro` on the loop; raises TimeoutError (after cancelling it) past `timeout` seconds."""
-        if self.closed or threading.current_thread() is self._thread:
-            coro.close()
-            raise BackendError("the agentstate loop is closed (or called from itself)")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"agentstate call took longer than {timeout} s") from None
-
-    def stop(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()

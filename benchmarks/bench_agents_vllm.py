@@ -17,7 +17,7 @@ below. The same trace runs three times, each on a fresh engine and data director
 
 - `lru`: no hints: the host tier evicts by plain LRU.
 - `paused`: each request carries, for its end, the hint an agent framework sends
-  (`kv_transfer_params`, see adapters/vllm.py): `paused` with the trace's expected tool time (the
+  (`kv_transfer_params`, see adapters/vllm/__init__.py): `paused` with the trace's expected tool time (the
   actual pause times lognormal noise; a fork: the sub-agent's expected run), or `done` on the
   agent's last turn.
 - `hints`: the same, and a returning turn also `resuming` (its prefix brought up into host memory

@@ -93,8 +93,8 @@ def part1(tmp: Path, sizes: list[int], agents: int) -> list[str]:
 
 
 def part2(tmp: Path, blocks: int) -> list[str]:
-    from agentstate.adapters.sglang_pages import LoopThread
-    from agentstate.adapters.vllm_blocks import BlocksTarget, gather, layout_for
+    from agentstate.adapters.runtime import LoopThread
+    from agentstate.adapters.vllm.blocks import BlocksTarget, gather, layout_for
     from safetensors.torch import load_file, save_file
 
     from agentstate import ModelSpec, StateStore

@@ -45,7 +45,7 @@ vllm = require_module("vllm", "pip install -c constraints.txt -r requirements-vl
 transformers = require_module("transformers")
 
 from agentstate.adapters import transformers as hf
-from agentstate.adapters.vllm_blocks import BlockLayout, BlocksTarget, gather, layout_for, scatter
+from agentstate.adapters.vllm.blocks import BlockLayout, BlocksTarget, gather, layout_for, scatter
 
 from agentstate import ModelSpec, StateStore
 from agentstate.codec import decode
@@ -215,7 +215,8 @@ def test_scatter_gather_match_a_token_by_token_reference(data: st.DataObject) ->
 
 
 def test_import_agentstate_needs_no_vllm() -> None:
-    code = ("import sys, agentstate, agentstate.adapters.transformers, agentstate.adapters.vllm_blocks;"
+    code = ("import sys, agentstate, agentstate.adapters.transformers, agentstate.adapters.vllm.blocks,"
+            " agentstate.adapters.vllm.lookup, agentstate.adapters.vllm.params, agentstate.adapters.vllm.config;"
             " assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules), 'vllm imported'")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -223,8 +224,8 @@ def test_import_agentstate_needs_no_vllm() -> None:
 
 def test_lookup_channel() -> None:
     """The scheduler's lookups reach the worker's loop; a worker that is gone is an OSError (a miss)."""
-    from agentstate.adapters.sglang_pages import LoopThread
-    from agentstate.adapters.vllm_blocks import LookupClient, LookupServer, socket_name
+    from agentstate.adapters.runtime import LoopThread
+    from agentstate.adapters.vllm.lookup import LookupClient, LookupServer, socket_name
 
     name = socket_name(f"/nonexistent/{os.getpid()}", 0)
     asked: list[dict[str, Any]] = []

@@ -142,7 +142,7 @@ class Engine:
                                         kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)])  # fmt: skip
         self.scheduler = Scheduler(self.config, kv_cache_config, StructuredOutputManager(self.config), block_size=BS,
                                    log_stats=True)  # fmt: skip
-        assert type(self.scheduler.connector).__module__ == "agentstate.adapters.vllm"  # loaded by module path
+        assert type(self.scheduler.connector) is AgentStateConnector  # loaded by module path
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BS, sha256)
         # the worker: what vLLM's CPU model runner registers (one tensor per layer, CPU_ATTN backend)
@@ -215,7 +215,7 @@ class Engine:
             busy.set()
             go.wait(300)
 
-        self.worker._loop.loop.call_soon_threadsafe(block)
+        self.worker.worker.loop.loop.call_soon_threadsafe(block)
         assert busy.wait(30)
         try:
             yield
@@ -290,7 +290,8 @@ def test_bad_session_id_never_frees_blocks_still_being_saved(model: str, tmp_pat
         for j, chunk in enumerate(chunks):
             assert torch.equal(chunk, kv_of(tokens[j * CHUNK : (j + 1) * CHUNK], j * CHUNK)), (tokens is p1, j)
     assert held_at_end and free_at_end == 0 and not r2_ran_in_stall
-    assert not engine.worker._reading and not engine.worker._revoke and not engine.worker._held  # nothing leaked
+    saves = engine.worker.worker.saves
+    assert not saves.reading and not saves.revoke and not saves.held  # nothing leaked
     mine = [line for line in records.lines if "xxxxxxxxxx" in line]
     assert len(mine) == 1 and "r1" in mine[0] and "session_id" in mine[0], mine
     assert max(len(line) for line in records.lines) < 600, max(records.lines, key=len)[:300]
@@ -315,7 +316,7 @@ def test_bad_params_never_cost_a_request_its_hits(model: str, tmp_path: Path, re
         engine.add("seed", prompt)
         engine.run_until(lambda: "seed" in engine.finished and "seed" not in engine.scheduler.requests, "seed")
         connector = engine.scheduler.connector
-        for f in list(engine.worker._writes):
+        for f in list(engine.worker.worker.saves.writes):
             f.result(60)
         assert engine.scheduler.reset_prefix_cache()  # only the connector can supply hits now
         asked = {name: connector.get_num_new_matched_tokens(engine.request(name, prompt, params), 0)
@@ -355,7 +356,7 @@ def test_failed_load_is_never_offered_again(model: str, tmp_path: Path) -> None:
     try:
         engine.add("seed", prompt)
         engine.run_until(lambda: "seed" not in engine.scheduler.requests, "seed")
-        for f in list(engine.worker._writes):
+        for f in list(engine.worker.worker.saves.writes):
             f.result(60)
         assert engine.scheduler.reset_prefix_cache()
         engine.add("again", prompt)

@@ -38,13 +38,14 @@ def test_wheel_holds_only_the_agentstate_package(wheel: Path) -> None:
         assert module in names
     # every module of the checkout ships: a subpackage missing from pyproject's list breaks a real install
     sources = {f"agentstate/{p.relative_to(ROOT / 'agentstate')}" for p in (ROOT / "agentstate").rglob("*.py")}
-    sources |= {f"agentstate/{d}/{p.name}" for d in ("backends", "adapters") for p in (ROOT / d).glob("*.py")}
+    for folder in ("backends", "adapters"):  # and their subpackages (agentstate.adapters.vllm)
+        sources |= {f"agentstate/{folder}/{p.relative_to(ROOT / folder)}" for p in (ROOT / folder).rglob("*.py")}
     assert sources - set(names) == set()
 
 
 WHERE = """
 import importlib, json, sys
-import agentstate, agentstate.backends.lmdb as m, agentstate.adapters.vllm_blocks as v
+import agentstate, agentstate.backends.lmdb as m, agentstate.adapters.vllm.blocks as v
 try:
     importlib.import_module("agentstate.agentstate")
     second = True
@@ -68,7 +69,7 @@ def test_checkout_imports_resolve_to_the_same_files_and_no_second_copy(where: st
     editable install's finder), the same files; `agentstate.agentstate` is no name at all."""
     assert _where(sys.executable, ROOT if where == "repo root" else tmp_path, "-c") == {
         "path": [str(ROOT / "agentstate")], "lmdb": str(ROOT / "backends" / "lmdb.py"),
-        "blocks": str(ROOT / "adapters" / "vllm_blocks.py"), "second": False,
+        "blocks": str(ROOT / "adapters" / "vllm" / "blocks.py"), "second": False,
     }  # fmt: skip
 
 
@@ -101,7 +102,7 @@ def test_the_built_wheel_installed_in_a_fresh_venv_imports_the_mapped_folders(wh
     installed = purelib / "agentstate"
     assert _where(python, tmp_path, "-c") == {
         "path": [str(installed)], "lmdb": str(installed / "backends" / "lmdb.py"),
-        "blocks": str(installed / "adapters" / "vllm_blocks.py"), "second": False,
+        "blocks": str(installed / "adapters" / "vllm" / "blocks.py"), "second": False,
     }  # fmt: skip
 
 

@@ -65,7 +65,7 @@ class BlockProbe:
     def probe_blocks(self, path: str, block_size: int, tol: float) -> list[dict]:
         from safetensors.torch import load_file
 
-        from agentstate.adapters.vllm_blocks import layout_for
+        from agentstate.adapters.vllm.blocks import layout_for
 
         expected = load_file(path)["kv"]  # [layers, 2, n, heads, dim]
         layers, _, n, heads, dim = expected.shape

@@ -1,5 +1,5 @@
-"""Helpers of the vLLM connector that need no vLLM import: block layouts, the block target, and the
-lookup channel between vLLM's scheduler process and the worker that owns the store.
+"""How the vLLM connector reads and writes the engine's KV blocks (no vLLM import): block layouts,
+the block target, and the copies between canonical chunks and blocks.
 
 Block layouts. vLLM keeps one KV tensor per attention layer, in a layout each attention backend
 chooses. Stored chunks are canonical (`[layers, planes, tokens, heads, dim]`); a `BlockLayout`
@@ -16,25 +16,11 @@ reports (the backend's name; on CPU the kernel ISA), by `layout_for`:
 
 Anything else (AMX's VNNI packing, MLA, quantized KV) is refused: the connector then stays off
 rather than store bytes it cannot read back.
-
-The lookup channel. vLLM runs its scheduler (EngineCore) and its workers in different processes
-on CPU, and a data directory has one writer. The worker owns the store; the scheduler sends it
-the chunk keys of a prompt over a Unix socket (abstract namespace, named after the data
-directory, the rank and the engine: see `socket_name`) and gets back how many leading chunks are
-stored. A scheduler that cannot reach its own worker treats the prompt as a miss.
 """
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
-import json
-import socket
-import struct
-import threading
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -140,6 +126,32 @@ class BlocksTarget(GuardedTarget):
         return start
 
 
+class EngineBlocks:
+    """The engine's registered KV caches, one `(K, V)` pair of block views per layer in one layout:
+    what loads write into and saves copy out of."""
+
+    def __init__(self, layout: BlockLayout, planes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.layout = layout
+        self.planes = planes
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def is_cuda(self) -> bool:
+        return bool(self.planes) and self.planes[0][0].is_cuda
+
+    def target(self, block_ids: list[int], first: int, num_tokens: int, stop: int) -> BlocksTarget:
+        """Where a load of tokens `first .. stop` into these blocks lands (spans may run on to `num_tokens`)."""
+        return BlocksTarget(self.planes, block_ids, self.block_size, first, num_tokens, orders=self.layout.orders,
+                            stop=stop)  # fmt: skip
+
+    def gather(self, block_ids: list[int], n: int, out: torch.Tensor) -> torch.Tensor:
+        """Canonical KV of the first `n` tokens of these blocks, copied into `out`."""
+        return gather(self.planes, block_ids, self.block_size, 0, n, out, self.layout.orders)
+
+
 def _runs(block_ids: list[int], block_size: int, start: int, n: int, first: int) -> list[tuple[int, int, int, int]]:
     """(first block id, block count, token lo, token hi) covering tokens `start .. start+n` at or
     after `first`: whole blocks with consecutive ids merge into one run (one strided copy per layer
@@ -232,123 +244,3 @@ def gather(
             blocks, dst = _pair(v, out[layer, 1, lo:hi], run, block_size, vo)
             dst.copy_(blocks)
     return out
-
-
-# -- the lookup channel ------------------------------------------------------------------------------
-
-_HEADER = struct.Struct("!I")
-MAX_MESSAGE = 64 << 20
-
-
-def socket_name(path: str, rank: int, engine: str = "") -> str:
-    """The abstract Unix socket of the worker of engine `engine` that owns data directory `path` (no
-    file, gone with the process). Only a worker that opened the store (and so holds the directory's
-    lock) binds it, and the engine's token is in the name: another engine's scheduler, even one on the
-    same directory, never reaches it, and a scheduler whose own worker could not open the store finds
-    no socket at all (a miss) rather than the worker of an older engine still holding the directory."""
-    digest = hashlib.blake2b(f"{path}\0{rank}\0{engine}".encode(), digest_size=12).hexdigest()
-    return f"\0agentstate-vllm-{digest}"
-
-
-def _pack(obj: Any) -> bytes:
-    body = json.dumps(obj, separators=(",", ":")).encode()
-    return _HEADER.pack(len(body)) + body
-
-
-class LookupServer:
-    """Answers the scheduler's questions on the worker's event loop: `handler(request) -> reply`."""
-
-    def __init__(
-        self,
-        name: str,
-        handler: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
-        stamp: dict[str, Any] | None = None,
-    ) -> None:
-        self.name = name
-        self.handler = handler
-        self.stamp = dict(stamp or {})  # added to every reply: who answers (the client checks it)
-        self.server: asyncio.AbstractServer | None = None
-        self._conns: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_unix_server(self._serve, path=self.name)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._conns.add(task)
-        try:
-            while True:
-                (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-                if size > MAX_MESSAGE:
-                    break
-                request = json.loads(await reader.readexactly(size))
-                try:
-                    reply = await self.handler(request)
-                except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss, the channel stays up
-                    reply = {"error": f"{type(exc).__name__}: {exc}"}
-                writer.write(_pack({**reply, **self.stamp}))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
-            pass
-        except asyncio.CancelledError:
-            pass
-        finally:
-            writer.close()
-            self._conns.discard(task)  # type: ignore[arg-type]
-
-    async def stop(self) -> None:
-        for task in list(self._conns):
-            task.cancel()
-        if self._conns:
-            await asyncio.gather(*self._conns, return_exceptions=True)
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-            self.server = None
-
-
-class LookupClient:
-    """The scheduler's side: one blocking request at a time, reconnecting after any failure."""
-
-    def __init__(self, name: str, timeout_s: float) -> None:
-        self.name = name
-        self.timeout_s = timeout_s
-        self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
-
-    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The worker's reply; raises OSError (or TimeoutError) when it cannot be reached."""
-        with self._lock:
-            try:
-                if self._sock is None:
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    sock.settimeout(self.timeout_s)
-                    sock.connect(self.name)
-                    self._sock = sock
-                self._sock.sendall(_pack(request))
-                (size,) = _HEADER.unpack(self._recv(_HEADER.size))
-                if size > MAX_MESSAGE:
-                    raise OSError(f"lookup reply of {size} bytes")
-                return json.loads(self._recv(size))
-            except BaseException:
-                self.close()
-                raise
-
-    def _recv(self, n: int) -> bytes:
-        assert self._sock is not None
-        chunks, got = [], 0
-        while got < n:
-            part = self._sock.recv(n - got)
-            if not part:
-                raise ConnectionError("the agentstate worker closed the lookup channel")
-            chunks.append(part)
-            got += len(part)
-        return b"".join(chunks)
-
-    def close(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None

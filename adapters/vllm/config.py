@@ -1,0 +1,149 @@
+"""The connector's configuration, the same in both roles: its settings, the store config, the model spec.
+
+Built once per connector instance from the engine's `VllmConfig` (`ConnectorConfig.of`), so the
+scheduler and the worker of one engine compute the same chunk keys, the same data directory and
+the same lookup channel name: the scheduler plans what the worker reads and writes. Bad settings
+are refused here, before either role opens anything. No vLLM import: the config is only read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from agentstate.adapters.runtime import AdapterSettings
+from agentstate.config import StoreConfig
+from agentstate.errors import AgentStateError, InvalidArgumentError
+from agentstate.keys import chunk_keys, namespace_for, validate_id
+from agentstate.spec import DTYPE_NAMES, ModelSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+DEFAULT_CHUNK_TOKENS = 256
+
+
+class VllmSettings(AdapterSettings):
+    """The adapter's own keys of `kv_connector_extra_config`; every other key is a StoreConfig field."""
+
+    table: ClassVar[str] = "vllm"
+    path: Path = Field(default=Path("agentstate-vllm"), description="data directory (one per rank below it with TP/PP)")
+    lookup_timeout_s: float = Field(default=2.0, gt=0, description="longest the scheduler waits for a lookup")
+    max_pending_saves: int = Field(
+        default=256, gt=0, description="chunks handed to the store and not yet written; beyond it saves are dropped"
+        " (counted)",
+    )
+    load_mode: Literal["async", "sync"] = Field(
+        default="async",
+        description="async: a request waits while its chunks load between steps, other requests' forwards go on;"
+        " sync: loaded before the forward of the step that computes the rest (one step less of latency)",
+    )
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> tuple[VllmSettings, dict[str, Any]]:
+        """(settings, StoreConfig overrides); `config_file` (TOML, YAML or JSON; else env
+        AGENTSTATE_CONFIG_FILE) is folded in by `split`: inline keys > env vars > the file."""
+        settings, rest = cls.split(extra)
+        rest.pop("path", None)
+        return settings, rest
+
+
+def model_spec(vllm_config: VllmConfig, settings: VllmSettings) -> ModelSpec:
+    """The ModelSpec of this engine's KV (per rank): the same model gives the same spec in every engine."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        raise InvalidArgumentError(f"KV cache dtype {cache_dtype}: only unquantized KV (cache_dtype auto) is stored")
+    if mc.use_mla:
+        raise InvalidArgumentError("MLA models are not supported by the vLLM connector yet")
+    if mc.dtype not in DTYPE_NAMES:
+        raise InvalidArgumentError(f"model dtype {mc.dtype} cannot be stored")
+    tp = pc.tensor_parallel_size
+    rank = pc.rank % tp if tp > 1 else 0
+    return ModelSpec(
+        model_id=settings.model_id or str(mc.model), revision=settings.revision or mc.revision or "main",
+        dtype=DTYPE_NAMES[mc.dtype], num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
+        head_dim=mc.get_head_size(), tp_rank=rank, tp_size=tp,
+    )  # fmt: skip
+
+
+def data_dir(vllm_config: VllmConfig, settings: VllmSettings, rank: int) -> Path:
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size == 1 and pc.pipeline_parallel_size == 1:
+        return settings.path
+    return settings.path / f"tp{rank}-{pc.tensor_parallel_size}.pp{pc.pipeline_parallel_size}"
+
+
+def engine_token(vllm_config: VllmConfig) -> str:
+    """This engine's identity, the same in its scheduler and its workers (they get one pickled config)
+    and new in every engine started: the KV transfer engine id (a uuid4 unless configured) and the
+    config's instance id (its creation time in ns). Names the lookup channel, so a scheduler only
+    ever asks its own workers: an older engine still holding the data directory is never asked."""
+    kv = vllm_config.kv_transfer_config
+    return f"{getattr(kv, 'engine_id', None) or ''}/{getattr(vllm_config, 'instance_id', '') or ''}"
+
+
+def _one_rank(vllm_config: VllmConfig) -> None:
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size * pc.pipeline_parallel_size > 1:
+        # Chunk keys carry the rank's fingerprint: the scheduler would have to compute and plan
+        # them per rank. Not built yet; refused at startup rather than silently never hitting.
+        raise InvalidArgumentError(
+            f"the agentstate vLLM connector supports one rank so far (tensor_parallel_size"
+            f" {pc.tensor_parallel_size}, pipeline_parallel_size {pc.pipeline_parallel_size}; both must be 1)"
+        )
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What both roles of one engine agree on: settings, the store config, block and chunk sizes, the spec."""
+
+    settings: VllmSettings
+    overrides: dict[str, Any]  # StoreConfig keys of the extra config (chunk_tokens filled in)
+    store: StoreConfig
+    block_size: int
+    spec: ModelSpec
+    engine: str  # engine_token: names the lookup channel
+    ranks: int  # tensor x pipeline parallel ranks (1 so far)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.store.chunk_tokens
+
+    @classmethod
+    def of(cls, vllm_config: VllmConfig) -> ConnectorConfig:
+        """Read and check the engine's kv_connector_extra_config; InvalidArgumentError for a bad one."""
+        _one_rank(vllm_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        settings, overrides = VllmSettings.from_extra(dict(extra or {}))
+        StoreConfig(path=settings.path, **overrides)  # checks every key now
+        block_size = int(vllm_config.cache_config.block_size)
+        if "chunk_tokens" not in overrides:
+            c = DEFAULT_CHUNK_TOKENS
+            overrides["chunk_tokens"] = c if c % block_size == 0 else block_size
+        store = StoreConfig(path=settings.path, **overrides)
+        if store.chunk_tokens % block_size:
+            raise InvalidArgumentError(
+                f"chunk_tokens {store.chunk_tokens} must be a multiple of the engine's block size {block_size}"
+            )
+        pc = vllm_config.parallel_config
+        return cls(settings, overrides, store, block_size, model_spec(vllm_config, settings),
+                   engine_token(vllm_config), pc.tensor_parallel_size * pc.pipeline_parallel_size)  # fmt: skip
+
+    def keys(self, tokens: list[int], tenant: str) -> list[str]:
+        """The chunk keys of `tokens`' whole chunks in `tenant`'s namespace, as the store computes them."""
+        ns = namespace_for(tenant, self.store.shared_namespace)
+        return list(chunk_keys(tokens, namespace=ns, fingerprint=self.spec.fingerprint, chunk_tokens=self.chunk_tokens))
+
+    def tenant_of(self, salt: str | None) -> str:
+        """A request's tenant: its cache_salt (hashed when it is not a valid id), else the configured one."""
+        if not salt:
+            return self.store.tenant
+        try:
+            return validate_id(salt, "tenant")
+        except AgentStateError:
+            return "salt-" + hashlib.blake2b(salt.encode(), digest_size=16).hexdigest()

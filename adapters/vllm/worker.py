@@ -1,0 +1,256 @@
+"""The connector's worker side (the process that owns the KV blocks): the store, lookups, and each step's copies.
+
+The worker opens the store and owns it: a data directory has one writer. It binds the lookup
+channel only once the store is open (so holds the directory's lock), named after this engine, and
+stamps every reply with the engine's token: a scheduler only ever counts hits its own worker can
+load. A worker that cannot open the store (another process holds the directory: an engine left
+running after its API server was killed) runs without it, every prompt a miss, and logs one line
+naming the holder's PID. The copies themselves are `loads.py` and `saves.py`; agent hints `hints.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from agentstate.adapters.runtime import LoopThread, never_raises
+from agentstate.adapters.vllm.blocks import EngineBlocks, layout_for
+from agentstate.adapters.vllm.config import ConnectorConfig, data_dir
+from agentstate.adapters.vllm.hints import Hints
+from agentstate.adapters.vllm.loads import Loads
+from agentstate.adapters.vllm.lookup import LookupServer, socket_name
+from agentstate.adapters.vllm.metadata import AgentStateMetadata
+from agentstate.adapters.vllm.metrics import AgentStateStats, Counts, log
+from agentstate.adapters.vllm.params import clip, clip_message
+from agentstate.adapters.vllm.saves import Saves
+from agentstate.config import StoreConfig
+from agentstate.errors import AgentStateError, BackendError, DataDirLockedError, InvalidArgumentError
+from agentstate.settings import record_config
+from agentstate.spec import ModelSpec
+from agentstate.store import StateStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+SPEC_FILE = "spec.json"
+
+
+class WorkerSide:
+    """The worker role of `AgentStateConnector` (see the module doc)."""
+
+    def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig) -> None:
+        self.config = config
+        self.vllm_config = vllm_config
+        self.counts = Counts()
+        pc = vllm_config.parallel_config
+        self.rank = pc.rank if config.ranks > 1 else 0
+        self.path = data_dir(vllm_config, config.settings, self.rank)
+        self.store: StateStore | None = None
+        self.blocks: EngineBlocks | None = None
+        self._server: LookupServer | None = None
+        self.loop = LoopThread("agentstate-vllm")
+        self.saves = Saves(config, self.counts, self.loop, self.attached)
+        self.hints = Hints(config, self.counts, self.loop, self.ready, self.saves)
+        self.loads = Loads(config, self.counts, self.loop, self.attached, self.hints)
+
+    def _failed(self, call: str, exc: BaseException) -> None:
+        self.counts.failed(call, exc)
+
+    def attached(self) -> tuple[StateStore, EngineBlocks]:
+        """The open store and the engine's blocks; BackendError when either is missing."""
+        if self.store is None or self.blocks is None:
+            raise BackendError("the agentstate store is not open (unsupported layout, or closed)")
+        return self.store, self.blocks
+
+    def ready(self) -> StateStore:
+        return self.attached()[0]
+
+    # -- startup -----------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Choose the block layout from the engine's attention backend, open the store, serve lookups.
+
+        An unsupported layout leaves the connector off (logged): no hits, nothing stored."""
+        try:
+            self.blocks = self._blocks(kv_caches)
+            self.store = self.loop.run(self._open(), max(self.config.settings.timeout_s, 600.0))
+        except Exception as exc:  # noqa: BLE001 - the engine runs on without the store
+            self.counts.add(errors=1)
+            # One line, once: its scheduler finds no lookup channel of this engine and answers misses.
+            # A directory held by another process (an engine left running) names that process.
+            if isinstance(exc, DataDirLockedError):
+                why = f"{clip(str(exc), 500)} [an engine left running? stop it, or give this one another path]"
+            else:
+                why = clip_message(exc, 500)
+            log.warning("agentstate: this engine runs without its store (no hits, nothing stored): %s", why)
+            self.blocks = None
+
+    def _blocks(self, kv_caches: dict[str, torch.Tensor]) -> EngineBlocks:
+        from vllm.model_executor.layers.attention import Attention  # noqa: F401 - vLLM present here
+
+        spec, bs = self.config.spec, self.config.block_size
+        layers = self.vllm_config.compilation_config.static_forward_context
+        names = list(kv_caches)
+        if len(names) != spec.num_layers:
+            raise InvalidArgumentError(f"{len(names)} KV caches for {spec.num_layers} layers")
+        first = layers.get(names[0])
+        backend = first.attn_backend.get_name() if first is not None else "?"
+        if backend == "CPU_ATTN":
+            variant = getattr(first, "isa", None) or _cpu_isa(self.vllm_config, bs, spec)
+        else:
+            variant = _cuda_layout()
+        layout = layout_for(backend, variant, block_size=bs, heads=spec.num_kv_heads, dim=spec.head_dim)
+        for name in names:
+            if kv_caches[name].dtype != spec.torch_dtype:
+                raise InvalidArgumentError(f"KV cache {name} is {kv_caches[name].dtype}, the spec {spec.dtype}")
+        log.info("agentstate: %s layout %s (%s %s) at %s", spec.model_id, layout.name, backend, variant, self.path)
+        return EngineBlocks(layout, [layout.planes(kv_caches[n]) for n in names])
+
+    async def _open(self) -> StateStore:
+        config = StoreConfig(**{**self.config.overrides, "path": self.path})
+        store = await StateStore.open(config, self.config.spec)
+        try:
+            _record_spec(Path(config.path), self.config.spec)
+            record_config(config, "agentstate.adapters.vllm")  # the admin commands open what the engine wrote
+            name = socket_name(str(Path(self.path).resolve()), self.rank, self.config.engine)
+            self._server = LookupServer(name, self._answer, stamp={"engine": self.config.engine})
+            await self._server.start()
+        except BaseException:
+            await store.close()
+            raise
+        return store
+
+    # -- the lookup channel (on the loop) ----------------------------------------------------------
+
+    async def _answer(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The scheduler's lookup: leading stored chunks, and a named session's manifest if it fits.
+        A hint (`op` "hint") is started on this loop and answered at once."""
+        store = self.ready()
+        if request.get("op") == "hint":
+            return self.hints.arrived(request)
+        keys = [str(k) for k in request.get("keys", [])]
+        reply: dict[str, Any] = {"chunks": await store.chunks.lookup(keys) if keys else 0}
+        sid = request.get("session")
+        if sid:
+            reply["session"] = await self._session_hit(store.for_tenant(request["tenant"]), sid, request["tokens"])
+        return reply
+
+    async def _session_hit(self, view: StateStore, session_id: str, tokens: list[int]) -> dict[str, Any] | None:
+        """The session's manifest if it covers a prefix of `tokens`. A snapshot of this session still
+        being written (the previous turn, finished a moment ago) is waited for, up to half the
+        scheduler's lookup timeout: the next turn then finds all of it, tail included."""
+        saving = self.saves.saving.get((view.tenant, session_id))
+        if saving is not None and not saving.done():
+            with contextlib.suppress(Exception):  # a failed or slow save: answer with what is stored
+                wait_s = self.config.settings.lookup_timeout_s / 2
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(saving)), wait_s)
+        try:
+            manifest = await view.session(session_id)
+        except AgentStateError:
+            return None
+        n = manifest.num_tokens
+        if n > len(tokens) or list(manifest.tokens) != tokens[:n]:
+            return None
+        keys = [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
+        if not all(await view.chunks.present(keys)):
+            return None
+        return {"tokens": n, "chunk_keys": list(manifest.chunk_keys), "tail_key": manifest.tail_key,
+                "chunk_tokens": manifest.chunk_tokens}  # fmt: skip
+
+    # -- each step ---------------------------------------------------------------------------------
+
+    @never_raises(lambda *_, **__: None)
+    def start_load_kv(self, meta: AgentStateMetadata) -> None:
+        """Start this step's loads on the store's loop (they complete between steps), and the
+        snapshots of finished session requests (their blocks are held until reported)."""
+        for req_id in meta.preempted:  # before this step's forward, which may reuse their blocks
+            self.saves.preempted(req_id)
+        for req_id in meta.released:
+            self.saves.released(req_id)
+        for job in meta.loads:
+            self.loads.start(job)
+        for sjob in meta.sessions:
+            self.saves.snapshot(sjob)
+        for hjob in meta.hints:
+            self.hints.finished(hjob)
+        for req_id in [*meta.released, *(s.req_id for s in meta.sessions)]:
+            self.saves.writes_of(req_id)
+        if self.config.settings.load_mode == "sync":  # this step's forward reads the loaded blocks: wait here
+            for job in meta.loads:
+                self.loads.wait(job)
+
+    @never_raises(lambda *_, **__: None)
+    def wait_for_save(self, meta: AgentStateMetadata | None) -> None:
+        """Hand this step's completed chunks to the store's loop (`Saves.save`): nothing of it runs on the step."""
+        self.saves.prune()
+        if meta is None or self.store is None or self.blocks is None:
+            return
+        self.saves.save(meta.saves, self.blocks)
+
+    @never_raises(lambda *_, **__: (None, None))
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose held blocks may be freed, requests whose load is over)."""
+        recving = self.loads.finished()
+        sending = self.saves.copied()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.loads.errors()
+
+    def get_kv_connector_stats(self) -> AgentStateStats | None:
+        """This interval's counts of the worker; vLLM sums them over workers and the scheduler."""
+        return self.counts.take()
+
+    # -- shutdown ----------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Finish writes and snapshots in flight, close the store, stop the loop. Never raises."""
+        if self.loop.closed:
+            return
+        try:
+            self.saves.drain(self.config.settings.timeout_s)  # one bound for all of them
+            if self._server is not None:
+                self.loop.run(self._server.stop(), self.config.settings.timeout_s)
+            if self.store is not None:
+                self.loop.run(self.store.close(), max(self.config.settings.timeout_s, 60.0))
+        except Exception as exc:  # noqa: BLE001
+            self._failed("shutdown", exc)
+        finally:
+            self.store = None
+            self.loop.stop()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001, S110 - a half-built worker has nothing to shut down
+            pass
+
+
+def _record_spec(path: Path, spec: ModelSpec) -> None:
+    """Write `<path>/spec.json` (as `agentstate serve` does), so `agentstate ls -p DIR` opens the directory."""
+    file = path / SPEC_FILE
+    if file.exists():
+        return
+    tmp = file.with_name(f".{SPEC_FILE}.{os.getpid()}")
+    tmp.write_text(spec.model_dump_json(indent=2))
+    tmp.replace(file)
+
+
+def _cpu_isa(vllm_config: Any, block_size: int, spec: ModelSpec) -> str:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(spec.torch_dtype, block_size, spec.head_dim, vllm_config.cache_config.cache_dtype))
+
+
+def _cuda_layout() -> str:
+    try:
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+        return str(get_kv_cache_layout())
+    except Exception:  # noqa: BLE001 - older/newer vLLM: NHD is the flash-attention default
+        return "NHD"
