@@ -31,21 +31,13 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
-from agentstate.adapters.sglang_pages import (
-    AdapterSettings,
-    LoopThread,
-    PageLayout,
-    PagesTarget,
-    encode_page,
-    never_raises,
-    size_of,
-    valid_key,
-)  # fmt: skip
+from agentstate.adapters.runtime import LoopThread, never_raises
+from agentstate.adapters.sglang_pages import PageLayout, PagesTarget, SglangSettings, encode_page, size_of, valid_key
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, PoolTransferResult
 
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, BackendError, InvalidArgumentError
-from agentstate.keys import PAGE_PREFIX
+from agentstate.adapters import SGLANG_PAGES
 from agentstate.settings import store_config
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
@@ -63,7 +55,7 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
-        self.settings, self._overrides = AdapterSettings.split(dict(storage_config.extra_config or {}))
+        self.settings, self._overrides = SglangSettings.split(dict(storage_config.extra_config or {}))
         if storage_config.dcp_size > 1 or storage_config.should_split_heads:
             raise InvalidArgumentError("decode-context-parallel and split-head storage are not supported")
         self.counts: Counter[str] = Counter()
@@ -99,7 +91,7 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         if self.store is not None:
             self._run(self.store.close())
         self.store, self.layout = None, None
-        self._prefix = f"{PAGE_PREFIX}{spec.fingerprint}/{layout.page_size}/{shard}/"
+        self._prefix = f"{SGLANG_PAGES.prefix}{spec.fingerprint}/{layout.page_size}/{shard}/"
         self.store = self._loop.run(self._open(config, spec), max(self.settings.timeout_s, 600.0))  # adopts every page
         self.layout = layout
 

@@ -17,8 +17,7 @@ import torch
 from pydantic import Field
 
 from agentstate import codec
-from agentstate.adapters import runtime
-from agentstate.adapters.runtime import LoopThread, never_raises  # noqa: F401 - what sglang.py imports from here
+from agentstate.adapters.runtime import AdapterSettings
 from agentstate.errors import InvalidArgumentError
 from agentstate.memory import host_buffer
 from agentstate.spec import DTYPE_NAMES, ModelSpec
@@ -29,7 +28,7 @@ SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface
 _KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@-]{0,255}")
 
 
-class SglangSettings(runtime.AdapterSettings):
+class SglangSettings(AdapterSettings):
     """The adapter's own keys of `--hicache-storage-backend-extra-config`; all other keys
     (`tiers`, `host_capacity_bytes`, `write_policy`, ...) go to `StoreConfig` unchanged.
 
@@ -45,8 +44,6 @@ class SglangSettings(runtime.AdapterSettings):
     model_id: str | None = Field(default=None, description="overrides SGLang's model name in the fingerprint")
     timeout_s: float = Field(default=60.0, gt=0, description="longest one SGLang call waits for the store")
 
-
-AdapterSettings = SglangSettings  # the name sglang.py imports
 def size_of(items: object) -> int:
     try:
         return len(items)  # type: ignore[arg-type]

@@ -524,8 +524,11 @@ def stats(
             table.add_row(t.name, *flags, cap, str(t.chunks))
         out.print(table)
         _sharing(r.tenant_sessions, r.session_tokens, r.unique_chunks, r.tails, r.unique_bytes, r.logical_bytes)
-        if r.sglang_pages:
-            out.print(f"{r.sglang_pages} SGLang HiCache pages")
+        from agentstate.edges import key_spaces
+
+        for space in key_spaces():  # an adapter's own keys (agentstate.edges), e.g. an engine's pages
+            if count := (r.model_extra or {}).get(space.report):
+                out.print(f"{count} {space.label}")
 
     _emit(r, json, render)
 
@@ -667,7 +670,7 @@ def verify(
         r = _with_store(path, spec, None, lambda s: run(s, repair=repair, progress=bars), read_only=not repair)
 
     def render() -> None:
-        table = _table("tier", "checked", "of which SGLang pages", "ok", "corrupt", "missing", "repaired")
+        table = _table("tier", "checked", "of which engine pages", "ok", "corrupt", "missing", "repaired")
         for t in r.tiers:
             table.add_row(t.tier, *(str(v) for v in (t.checked, t.pages, t.ok, t.corrupt, t.missing, t.repaired)))
         out.print(table)
@@ -767,7 +770,7 @@ def serve(
         typer.Option(
             min=1,
             max=65535,
-            help="port to listen on; the default is no engine's (vLLM 8000, SGLang 30000, TGI 8080, Ollama 11434)",
+            help="port to listen on; the default is no inference server's usual port (8000, 30000, 8080, 11434)",
         ),
     ] = DEFAULT_PORT,
     tokens_file: Annotated[

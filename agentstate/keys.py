@@ -25,8 +25,7 @@ TailKey = NewType("TailKey", str)
 
 CHUNK_PREFIX = "c/"
 TAIL_PREFIX = "t/"
-PAGE_PREFIX = "p/"
-"""SGLang HiCache pages (adapters/sglang.py): `p/<fingerprint>/<page size>/<shard>/<SGLang page key>`."""
+"""Adapters may store keys of their own outside these prefixes, each declaring its key space (`agentstate.edges`)."""
 _ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@-]{0,127}")
 _MAX_TOKEN = 2**63 - 1
 

@@ -3,10 +3,11 @@
 A config file is TOML (`.toml`), YAML (`.yaml`, `.yml`; needs PyYAML, `agentstate[yaml]`) or JSON
 (`.json`). Its top level holds `StoreConfig` keys; its tables are `spec` (a ModelSpec, used where
 `--spec` would be), `service` (`agentstate serve`: host, port, tokens_file and every `Limits` key),
-`sglang` and `vllm` (the adapters' own keys) and `recorded` (what agentstate notes when it records
-a config; ignored when read). Relative paths in it (`path`, `service.tokens_file`,
-`service.handle_secret_file`, `<adapter>.path`) are relative to the file's directory; a tier's
-`path` stays relative to the store's `path`. docs/config.md lists every key.
+one table per engine adapter (its own keys, under the name the adapter declares: `agentstate.edges`)
+and `recorded` (what agentstate notes when it records a config; ignored when read). Relative paths
+in it (`path`, `service.tokens_file`, `service.handle_secret_file`, `<adapter>.path`) are relative
+to the file's directory; a tier's `path` stays relative to the store's `path`. docs/config.md
+lists every key.
 
 Precedence, highest first: command-line flags (an engine's inline extra-config keys), env vars
 (`AGENTSTATE_*`, `AGENTSTATE_SERVICE_*`), the config file, defaults. The file is `--config`, else
@@ -37,13 +38,15 @@ from pydantic_settings.exceptions import SettingsError
 from agentstate.config import StoreConfig
 from agentstate.datadir.files import CONFIG, REDACTED, is_redacted  # noqa: F401  (REDACTED re-exported)
 from agentstate.datadir.files import record_config, record_config_unheld, recorded_config  # noqa: F401  (re-exported)
+from agentstate import edges
 from agentstate.errors import ConfigError, InvalidArgumentError, MissingDependencyError, NotFoundError
 from agentstate.spec import ModelSpec
 
 CONFIG_ENV = "AGENTSTATE_CONFIG_FILE"
 RECORDED = CONFIG
 """The config a writer recorded in its data directory (next to spec.json)."""
-TABLES = ("spec", "service", "sglang", "vllm", "recorded")
+CORE_TABLES = ("spec", "service", "recorded")
+"""The config file's tables the core reads; each engine adapter adds its own (`agentstate.edges.tables`)."""
 S = TypeVar("S", bound=BaseSettings)
 _StoreKeys = create_model(  # StoreConfig's keys checked alone: no env read, no defaults filled in
     "StoreKeys", __config__=ConfigDict(extra="forbid"),
@@ -69,17 +72,19 @@ def read_config_file(file: str | os.PathLike[str]) -> ConfigFile:
     raw = _parse(source)
     if not isinstance(raw, dict):
         raise InvalidArgumentError(f"config file {source}: the top level must be a table of keys")
-    unknown = sorted(set(raw) - set(TABLES) - set(StoreConfig.model_fields))
+    edge_tables = edges.tables()
+    tables = (*CORE_TABLES, *edge_tables)
+    unknown = sorted(set(raw) - set(tables) - set(StoreConfig.model_fields))
     if unknown:
         raise InvalidArgumentError(
             f"config file {source}: unknown key(s) {unknown}: the top level takes StoreConfig keys and the tables"
-            f" {list(TABLES)} (docs/config.md)"
+            f" {list(tables)} (docs/config.md)"
         )
-    for table in TABLES:
+    for table in tables:
         if not isinstance(raw.get(table, {}), dict):
             raise InvalidArgumentError(f"config file {source}: {table} must be a table")
     base = source.absolute().parent
-    store = {k: v for k, v in raw.items() if k not in TABLES}
+    store = {k: v for k, v in raw.items() if k not in tables}
     _relative(store, base, "path")
     try:
         _StoreKeys.model_validate(store)
@@ -88,7 +93,7 @@ def read_config_file(file: str | os.PathLike[str]) -> ConfigFile:
         raise ConfigError(f"config file {source}: {problems(exc)}", key=first_key(exc)) from None
     service = dict(raw.get("service", {}))
     _relative(service, base, "tokens_file", "handle_secret_file")
-    adapters = {name: dict(raw.get(name, {})) for name in ("sglang", "vllm")}
+    adapters = {name: dict(raw.get(name, {})) for name in edge_tables}
     for keys in adapters.values():
         _relative(keys, base, "path")
     return ConfigFile(source, store, spec, service, adapters)

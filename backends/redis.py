@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from agentstate.backends import redis_wire as wire
 from agentstate.backends.base import Backend, BackendStats, ReadSink
 from agentstate.backends.redis_pool import WireReader
-
+from agentstate.edges import CORE_PREFIXES, key_spaces
 from agentstate.errors import AgentStateError, BackendError, BackendRefusedError, CapacityError, InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -33,9 +33,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentstate.backends.redis")
 FAILED = object()  # a key whose call failed (its node was down), as opposed to a miss
 T = TypeVar("T")
-VALUE_NAMESPACES = ("c/", "t/", "p/")
-"""Where values live under the prefix: chunks and tails (`agentstate.keys`) and SGLang pages. The shared
-catalog's defaults put its `m/` hashes and `x/` records under the same `agentstate:` prefix: never values."""
+
+
+def value_namespaces() -> tuple[str, ...]:
+    """Where values live under the prefix: chunks and tails (`agentstate.keys`) and the key spaces adapters
+    declare (`agentstate.edges`: an engine's pages). The shared catalog's defaults put its `m/` hashes and
+    `x/` records under the same `agentstate:` prefix: never values."""
+    return (*CORE_PREFIXES, *(s.prefix for s in key_spaces()))
 
 
 # OBJECT IDLETIME has a resolution of seconds and is reset by any read or TOUCH of the key.
@@ -422,7 +426,7 @@ class RedisBackend(Backend):
         Only the value namespaces: a shared catalog under the same prefix holds hashes (STRLEN of one is
         WRONGTYPE) and prefix records, which are not this tier's."""
         try:
-            keys = [k for ns in VALUE_NAMESPACES async for k in self.keys(ns)]
+            keys = [k for ns in value_namespaces() async for k in self.keys(ns)]
         except BackendError:
             keys = []  # unreachable: report the counters we have
         return BackendStats(

@@ -400,7 +400,7 @@ def test_adapter_settings_take_a_config_file(tmp_path: Path, monkeypatch: pytest
     from tests.requires import require_module
 
     require_module("torch", "the adapters need torch")
-    from agentstate.adapters.sglang_pages import AdapterSettings
+    from agentstate.adapters.sglang_pages import SglangSettings
 
     for key in [k for k in os.environ if k.startswith("AGENTSTATE_")]:
         monkeypatch.delenv(key)
@@ -408,17 +408,17 @@ def test_adapter_settings_take_a_config_file(tmp_path: Path, monkeypatch: pytest
     file.write_text(
         "path: kv\nchunk_tokens: 64\nio_depth: 2\nlmdb_map_size: 1GiB\nsglang:\n  timeout_s: 9\n  model_id: m\n"
     )
-    settings, rest = AdapterSettings.split({"config_file": str(file), "model_id": "inline", "io_depth": 4})
+    settings, rest = SglangSettings.split({"config_file": str(file), "model_id": "inline", "io_depth": 4})
     assert (settings.path, settings.timeout_s, settings.model_id) == (tmp_path / "kv", 9, "inline")
     assert rest == {"chunk_tokens": 64, "io_depth": 4, "lmdb_map_size": "1GiB"}
     monkeypatch.setenv("AGENTSTATE_CHUNK_TOKENS", "128")
-    _, rest = AdapterSettings.split({"config_file": str(file)})
+    _, rest = SglangSettings.split({"config_file": str(file)})
     assert "chunk_tokens" not in rest and StoreConfig(**rest).chunk_tokens == 128  # the env beats the file
     monkeypatch.setenv("AGENTSTATE_CONFIG_FILE", str(file))
-    assert AdapterSettings.split({})[0].timeout_s == 9
+    assert SglangSettings.split({})[0].timeout_s == 9
     file.write_text("sglang:\n  timeout: 9\n")
     with pytest.raises(InvalidArgumentError, match="timeout"):
-        AdapterSettings.split({})
+        SglangSettings.split({})
 
 
 # -- docs/config.md -------------------------------------------------------------------------------
@@ -465,9 +465,9 @@ def tables() -> dict[str, type[BaseModel]]:
                                           "ServiceKeys": ServiceKeys, "Limits": Limits}  # fmt: skip
     models.update({m.__name__: m for m in [*TIER_KINDS.values(), ExternalTier]})  # one model per tier kind
     try:
-        from agentstate.adapters.sglang_pages import AdapterSettings
+        from agentstate.adapters.sglang_pages import SglangSettings
 
-        models["AdapterSettings"] = AdapterSettings
+        models["AdapterSettings"] = SglangSettings
     except ImportError:
         pass
     return models

@@ -15,14 +15,15 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from agentstate import codec
 from agentstate.chunks import EvictResult
 from agentstate.chunks import TierInfo as ChunkTierInfo
 from agentstate.datadir import SPEC, directory_spec, is_store, read_spec_file, record_spec, recorded_spec  # noqa: F401
 from agentstate.errors import InvalidArgumentError
-from agentstate.keys import PAGE_PREFIX, validate_id
+from agentstate.edges import key_spaces
+from agentstate.keys import validate_id
 from agentstate.manifest import SessionManifest
 from agentstate.ops.reports import ChunkInfo, GcReport, SessionDetail, SessionRow, dumps  # noqa: F401  (re-exported)
 from agentstate.spec import ModelSpec
@@ -154,6 +155,11 @@ class TierInfo(BaseModel):
 
 
 class StatsReport(BaseModel):
+    """A store's stats; plus, for each key space an adapter declares (`agentstate.edges`), how many of its
+    keys of this spec the record tier holds, under the field the adapter names (an engine's rank
+    directory may hold its pages, not sessions)."""
+
+    model_config = ConfigDict(extra="allow")
     path: str
     spec: ModelSpec
     chunk_tokens: int
@@ -167,8 +173,6 @@ class StatsReport(BaseModel):
     """what the tenant's sessions would take stored one by one"""
     unique_bytes: int
     """what they take with shared chunks stored once"""
-    sglang_pages: int = 0
-    """SGLang HiCache pages of this spec in the record tier (an SGLang rank directory holds these, not sessions)"""
 
 
 async def stats(store: StateStore) -> StatsReport:
@@ -177,12 +181,14 @@ async def stats(store: StateStore) -> StatsReport:
     tails = [m for m in found if m.tail_key]
     unique = sum(stored_size(store.spec, n) for n in chunks.values())
     unique += sum(stored_size(store.spec, m.tail_tokens) for m in tails)
+    record = store.chunks.record_tier
+    spaces = {s.report: len(await store.chunks.scan(record, f"{s.prefix}{store.fingerprint}/")) for s in key_spaces()}
     return StatsReport(
         path=str(store.config.path), spec=store.spec, chunk_tokens=store.chunk_tokens, store=await store.stats(),
         tiers=[_tier_info(t) for t in store.chunks.tier_info()], tenant_sessions=len(found),
         session_tokens=sum(m.num_tokens for m in found), unique_chunks=len(chunks), tails=len(tails),
         logical_bytes=sum(_row(store, m).bytes for m in found), unique_bytes=unique,
-        sglang_pages=len(await store.chunks.scan(store.chunks.record_tier, f"{PAGE_PREFIX}{store.fingerprint}/")),
+        **spaces,
     )  # fmt: skip
 
 

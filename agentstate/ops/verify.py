@@ -12,7 +12,8 @@ from pydantic import BaseModel
 from agentstate import codec
 from agentstate.chunks import batches
 from agentstate.errors import AgentStateError, CorruptDataError
-from agentstate.keys import CHUNK_PREFIX, PAGE_PREFIX, TAIL_PREFIX
+from agentstate.edges import key_spaces
+from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX
 from agentstate.ops.admin import QUIET, Progress, session_keys, stored_size
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
@@ -34,7 +35,8 @@ class TierCheck(BaseModel):
     repaired: int
     """bad copies dropped, plus (record tier) lost copies written back from a good copy elsewhere"""
     pages: int = 0
-    """of `checked`, SGLang HiCache pages (no manifest names them: never missing, never orphans)"""
+    """of `checked`, keys an adapter stores outside the catalog (`agentstate.edges`: an engine's own pages;
+    no manifest names them: never missing, never orphans)"""
 
 
 class AffectedSession(BaseModel):
@@ -64,7 +66,7 @@ class VerifyReport(BaseModel):
 
 
 async def verify(store: StateStore, *, repair: bool = False, progress: Progress = QUIET) -> VerifyReport:
-    """Check every stored chunk, tail and SGLang page of this spec, in every tier, with the codec (magic,
+    """Check every stored chunk, tail and adapter page of this spec, in every tier, with the codec (magic,
     version, fingerprint, dtype, shape, length, xxh3 of the payload seeded with the key, so a valid
     value stored under another key is reported too; no unpickling: the codec only reads raw bytes).
     `repair=True` deletes corrupt copies, so reads see misses, and writes a good copy found in
@@ -89,14 +91,14 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
     for tier in store.chunks.tier_names:
         prefixes = (f"{CHUNK_PREFIX}{store.fingerprint}/", f"{TAIL_PREFIX}{store.fingerprint}/")
         listed = [k for p in prefixes for k in await store.chunks.scan(tier, p)]
-        pages = await store.chunks.scan(tier, f"{PAGE_PREFIX}{store.fingerprint}/")
+        pages = [k for s in key_spaces() for k in await store.chunks.scan(tier, f"{s.prefix}{store.fingerprint}/")]
         listed += pages
         progress.start(f"verify {tier}", len(listed))
         status = await _check_tier(store, tier, listed, expected, progress)
         bad = [BadChunk(tier=tier, key=k, problem=s) for k, s in status.items() if s not in ("ok", "missing")]
         gone = [k for k, s in status.items() if s == "missing"]
         if tier == store.chunks.record_tier:
-            record_held = listed[: len(listed) - len(pages)]  # pages belong to SGLang's index, not the catalog
+            record_held = listed[: len(listed) - len(pages)]  # pages belong to an engine's index, not the catalog
             held = set(listed)
             gone += [k for k in expected if k not in held]
             record_lacks = [k for k in gone if k in expected]
