@@ -327,6 +327,12 @@ class StoreConfig(BaseSettings):
         default=1.0, gt=0, le=60,
         description="accounting and hit times reach the catalog in one transaction this often (and at close)",
     )  # fmt: skip
+    disk_reserve_bytes: Bytes = Field(
+        default=MiB, ge=0, le=GiB,
+        description="room held free on the disk of the data directory (an unnamed preallocated file), spent only"
+        " when a delete or gc meets a full disk: freeing space needs free pages first (LMDB copies what it"
+        " changes), so without it a full disk could refuse the very deletes that make room; 0 holds none",
+    )  # fmt: skip
 
     @property
     def lossy(self) -> bool:

@@ -118,7 +118,7 @@ class Sessions:
         """
         with contextlib.suppress(AgentStateError):
             if not self.catalog.shared:
-                await self.scope.collect([*keys, *([tkey] if tkey else [])])
+                await self.scope.freeing(lambda: self.scope.collect([*keys, *([tkey] if tkey else [])]))
             elif tkey and isinstance(exc, ConflictError | SpecMismatchError):
                 await self.chunks.delete([tkey])
 
@@ -262,15 +262,15 @@ class Sessions:
         stores: by the next gc, see `gc`)."""
         validate_id(session_id)
         async with self.scope.session_lock(session_id):
-            manifest, zeroed = await self.catalog.remove(self.tenant, session_id)
+            manifest, zeroed = await self.scope.freeing(lambda: self.catalog.remove(self.tenant, session_id))
             if manifest is None:
                 raise SessionNotFoundError(f"no session {session_id!r}")
             self.usage_log.forget(self.tenant, session_id)
             for kind in ("hint", "retain"):
                 self.chunks.release(f"{kind}:{self.tenant}/{session_id}")
-            await self.scope.collect(zeroed)
+            await self.scope.freeing(lambda: self.scope.collect(zeroed))
             if self.catalog.shared and manifest.tail_key:
-                await self.chunks.delete([manifest.tail_key])
+                await self.scope.freeing(lambda: self.chunks.delete([manifest.tail_key]))
 
     async def sessions(self) -> AsyncIterator[SessionManifest]:
         """This tenant's live sessions (expired ones left out), each as its current manifest."""
@@ -391,8 +391,10 @@ class Sessions:
                 live.update(manifest.chunk_keys)
                 if manifest.tail_key:
                     live.add(manifest.tail_key)
-            return removed + await self.chunks.sweep_shared(self.scope.key_prefixes, live)
-        return removed + await self.chunks.sweep(self.scope.key_prefixes, self.catalog.refcounts)
+            return removed + await self.scope.freeing(lambda: self.chunks.sweep_shared(self.scope.key_prefixes, live))
+        return removed + await self.scope.freeing(
+            lambda: self.chunks.sweep(self.scope.key_prefixes, self.catalog.refcounts)
+        )
 
 
 def _key_tokens(manifest: SessionManifest) -> list[int]:

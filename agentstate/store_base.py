@@ -10,24 +10,28 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
 import torch
+from typing import TypeVar
+
 from typing_extensions import Self
 
 from agentstate.catalog import Catalog, LMDBCatalog
 from agentstate.chunks import ChunkStore, Span
 from agentstate.config import StoreConfig
 from agentstate.datadir import CATALOG
-from agentstate.errors import AgentStateError, KVShapeError
+from agentstate.errors import AgentStateError, CapacityError, KVShapeError
 from agentstate.keyed_locks import KeyedLocks
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, ChunkKey, chunk_keys, namespace_for, validate_id
+from agentstate.reserve import StandingReserve
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget, TensorTarget
 from agentstate.usage import UsageLog
 
 log = logging.getLogger("agentstate.store")
+T = TypeVar("T")
 
 
 class StoreScope:
@@ -50,6 +54,8 @@ class StoreScope:
         """accounting and hit times on their way to the catalog (one for every tenant view)"""
         self.locks = KeyedLocks()
         """one writer at a time per tenant/session (shared by every tenant view)"""
+        self.room = StandingReserve([] if read_only else self.local_dirs(), config.disk_reserve_bytes)
+        """room held free on the local disks for deletes that meet a full disk (see `freeing`)"""
         self._owner = True
 
     def for_tenant(self, tenant: str) -> Self:
@@ -84,6 +90,7 @@ class StoreScope:
     async def close(self) -> None:
         if not self._owner:
             return
+        self.room.close()
         try:
             try:
                 await self.usage_log.close()
@@ -94,6 +101,27 @@ class StoreScope:
             await self.catalog.close()
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def local_dirs(self) -> list[Path]:
+        """The directories of the local catalog and the local durable tiers (where deletes write)."""
+        root = Path(self.config.path)
+        tiers = [root / (t.path or t.tier_name) for t in self.config.tier_list() if t.kind in ("lmdb", "file")]
+        return [d for d in [root, *tiers] if d.is_dir()]
+
+    async def freeing(self, op: Callable[[], Awaitable[T]]) -> T:
+        """Run `op`, an operation that frees space (a catalog removal, a collect, a sweep). On a full
+        disk it spends the standing reserve and runs once more: a full disk never refuses the deletes
+        that make room. `op` must be safe to run again after a CapacityError (each is one transaction,
+        or deletes what is still there)."""
+        try:
+            result = await op()
+        except CapacityError:
+            if not self.room.spend():
+                raise
+            log.warning("the disk is full: spending the room held for deletes")
+            result = await op()
+        self.room.refill()
+        return result
 
     def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
         """The keys of the full chunks of `tokens` in this tenant's namespace."""

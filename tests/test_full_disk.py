@@ -118,3 +118,48 @@ def test_a_new_store_on_a_full_disk_is_refused_not_a_crash(small_disk: Path, lef
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 1, (done.returncode, done.stdout, done.stderr[-2000:])
     assert "CapacityError" in done.stdout
+
+
+def fill_to_the_last_byte(path: Path) -> None:
+    """Write a ballast file until the filesystem refuses a single byte more."""
+    with open(path, "wb", buffering=0) as f:
+        for size in (1 << 20, 64 << 10, 4096, 512, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError:
+                pass
+
+
+@pytest.mark.parametrize(("file_tier", "value_log"), [(False, False), (True, False), (False, True)],
+                         ids=["lmdb", "file+lmdb", "lmdb+value-log"])  # fmt: skip
+async def test_a_full_disk_never_refuses_the_deletes_that_make_room(
+    small_disk: Path, file_tier: bool, value_log: bool
+) -> None:
+    """Snapshots until the disk refuses, then a ballast takes every byte left: deleting sessions and
+    gc still work (the store spends the room it held for this), every other session stays bit-exact,
+    and once the ballast goes the store takes snapshots again. Without the held room the catalog's
+    removal needs pages the disk no longer has, and the operator could not make room at all."""
+    cfg = config(small_disk / "data", file_tier, value_log)
+    committed: list[int] = []
+    async with StateStore.open(cfg, SPEC4) as store:
+        with pytest.raises(CapacityError):
+            for i in range(32):
+                tokens, kv = session(i)
+                await store.snapshot(f"s{i}", tokens, kv)
+                committed.append(i)
+        fill_to_the_last_byte(small_disk / "ballast")
+        assert len(committed) >= 3
+        for i in committed[:2]:
+            await store.delete(f"s{i}")
+        await store.gc()
+        for i in committed[2:]:
+            result = await store.resume(f"s{i}")
+            assert result.complete and bits_equal(result.kv, session(i)[1])
+        (small_disk / "ballast").unlink()
+        tokens, kv = session(100)
+        await store.snapshot("after", tokens, kv)
+    async with StateStore.open(cfg, SPEC4) as store:
+        names = {m.session_id async for m in store.sessions()}
+        assert names == {f"s{i}" for i in committed[2:]} | {"after"}
+        assert bits_equal((await store.resume("after")).kv, session(100)[1])

@@ -26,7 +26,7 @@ Import is all-or-nothing, in three steps:
 2. Stage. Under the sessions' locks, with every key the import names pinned (and every key of
    the versions it replaces), each session's chunks that the record tier lacks and its tail are
    written durably, as `snapshot` writes them. Nothing references them yet. Before each session,
-   room for undoing it is held on the disk (`agentstate.ops.reserve`: an unnamed, preallocated
+   room for undoing it is held on the disk (`agentstate.reserve`: an unnamed, preallocated
    file per filesystem of the data directory and its local tiers), so a disk that fills refuses
    the write while the undo's room is still there.
 3. Commit. Every manifest in one catalog transaction (`Catalog.commit_all`), each a
@@ -82,7 +82,7 @@ from agentstate.keys import validate_id
 from agentstate.manifest import SessionManifest, now
 from agentstate.datadir import is_store, spec_differences
 from agentstate.ops.admin import QUIET, Progress
-from agentstate.ops.reserve import Reserve
+from agentstate.reserve import Reserve
 from agentstate.snapshots import check_snapshot, hold_retained, snapshot_manifest, write_session
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore

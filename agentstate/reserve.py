@@ -14,6 +14,7 @@ process and leaves nothing in the data directory.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import tempfile
 from collections.abc import Iterable
@@ -26,6 +27,7 @@ _O_TMPFILE: int = getattr(os, "O_TMPFILE", 0)
 _O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
 _NO_ROOM = {errno.ENOSPC, errno.EDQUOT}
 _ZEROS = bytes(1 << 20)
+_log = logging.getLogger("agentstate.reserve")
 
 
 class Reserve:
@@ -112,3 +114,55 @@ def _allocate(fd: int, offset: int, nbytes: int) -> None:
     while done < nbytes:
         done += os.pwrite(fd, _ZEROS[: min(len(_ZEROS), nbytes - done)], offset + done)
     os.fsync(fd)
+
+
+class StandingReserve:
+    """Room a store keeps free on its disks for as long as it is open, spent only to free space.
+
+    Why: on a disk that filled, deleting a session or sweeping chunks needs free pages first (LMDB
+    copies every page it changes), so the full disk refused the very deletes that would make room,
+    and only an operator with a shell could recover. The store holds `nbytes` in a `Reserve`; an
+    operation that frees space and meets a full disk spends it (`spend`) and runs again, and the
+    room is taken back (`refill`) once that operation stood. Best effort: a disk already full at
+    open holds none (logged once), and every other behaviour is the same as without it.
+    """
+
+    def __init__(self, dirs: Iterable[Path], nbytes: int) -> None:
+        self._dirs = [Path(d) for d in dirs]
+        self._nbytes = nbytes
+        self._reserve: Reserve | None = None
+        self._warned = False
+        self.refill()
+
+    @property
+    def held(self) -> bool:
+        return self._reserve is not None
+
+    def refill(self) -> None:
+        """Hold the room again if it is not held (after it was spent, or missing at open)."""
+        if self._reserve is not None or self._nbytes <= 0 or not self._dirs:
+            return
+        try:
+            reserve = Reserve(self._dirs)
+            try:
+                reserve.grow(self._nbytes)
+            except BaseException:
+                reserve.release()
+                raise
+        except (CapacityError, BackendError) as exc:
+            if not self._warned:
+                _log.warning("no room held for deletes on a full disk: %s", exc)
+                self._warned = True
+            return
+        self._reserve, self._warned = reserve, False
+
+    def spend(self) -> bool:
+        """Give the room back to the filesystem for an operation that frees space; False if none was held."""
+        reserve, self._reserve = self._reserve, None
+        if reserve is None:
+            return False
+        reserve.release()
+        return True
+
+    def close(self) -> None:
+        self.spend()
