@@ -85,6 +85,10 @@ async def test_a_session_of_another_spec_is_not_replaced(tmp_path: Path) -> None
     tokens, kv = random_tokens(150), random_kv(SPEC4, 150)
     async with StateStore.open(tmp_path / "d", SPEC4, chunk_tokens=64) as a:
         await a.snapshot("s", tokens, kv)
+    with pytest.raises(SpecMismatchError, match="num_layers 2 != 4"):
+        await StateStore.open(tmp_path / "d", SPEC2, chunk_tokens=64)  # the directory records SPEC4
+    recorded = tmp_path / "d" / "spec.json"
+    recorded.unlink()  # without a record (an older version's directory) it opens; the sessions still refuse
     async with StateStore.open(tmp_path / "d", SPEC2, chunk_tokens=64) as b:
         other = random_kv(SPEC2, 150, seed=1)
         for kwargs in ({}, {"expected_version": 1}, {"expected_version": None}):
@@ -92,9 +96,11 @@ async def test_a_session_of_another_spec_is_not_replaced(tmp_path: Path) -> None
                 await b.snapshot("s", tokens, other, **kwargs)
         with pytest.raises(SpecMismatchError):
             await b.resume("s")
+    recorded.unlink()
     async with StateStore.open(tmp_path / "d", SPEC4, chunk_tokens=64) as a:
         r = await a.resume("s")
         assert r.restored_tokens == 150 and bits_equal(r.kv, kv) and r.manifest.version == 1
+    recorded.unlink()
     async with StateStore.open(tmp_path / "d", SPEC2, chunk_tokens=64) as b:  # on purpose: force
         m = await b.snapshot("s", tokens, other, force=True)
         assert m.version == 2 and bits_equal((await b.resume("s")).kv, other)

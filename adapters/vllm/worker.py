@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,14 +29,11 @@ from agentstate.adapters.vllm.params import clip, clip_message
 from agentstate.adapters.vllm.saves import Saves
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, BackendError, DataDirLockedError, InvalidArgumentError
-from agentstate.settings import record_config
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-SPEC_FILE = "spec.json"
 
 
 class WorkerSide:
@@ -113,10 +109,9 @@ class WorkerSide:
 
     async def _open(self) -> StateStore:
         config = StoreConfig(**{**self.config.overrides, "path": self.path})
-        store = await StateStore.open(config, self.config.spec)
+        # the open records spec and config (agentstate.datadir): the admin commands open what the engine wrote
+        store = await StateStore.open(config, self.config.spec, writer="agentstate.adapters.vllm")
         try:
-            _record_spec(Path(config.path), self.config.spec)
-            record_config(config, "agentstate.adapters.vllm")  # the admin commands open what the engine wrote
             name = socket_name(str(Path(self.path).resolve()), self.rank, self.config.engine)
             self._server = LookupServer(name, self._answer, stamp={"engine": self.config.engine})
             await self._server.start()
@@ -229,16 +224,6 @@ class WorkerSide:
             self.shutdown()
         except Exception:  # noqa: BLE001, S110 - a half-built worker has nothing to shut down
             pass
-
-
-def _record_spec(path: Path, spec: ModelSpec) -> None:
-    """Write `<path>/spec.json` (as `agentstate serve` does), so `agentstate ls -p DIR` opens the directory."""
-    file = path / SPEC_FILE
-    if file.exists():
-        return
-    tmp = file.with_name(f".{SPEC_FILE}.{os.getpid()}")
-    tmp.write_text(spec.model_dump_json(indent=2))
-    tmp.replace(file)
 
 
 def _cpu_isa(vllm_config: Any, block_size: int, spec: ModelSpec) -> str:
