@@ -575,7 +575,7 @@ def hinted(tmp: Path, model: str) -> dict[str, Any]:
     tiers = [{"kind": "host", "capacity_bytes": HOST_BYTES}, {"kind": "lmdb"}]
     connector = {"path": str(tmp / "hints-data"), "tiers": tiers}
     job = {"model": model, "connector": connector, "rounds": rounds, "round_metrics": True,
-           "sleep": [0, 1, 1]}  # fmt: skip
+           "sleep": [0, 1, 1], "wait_hints": {"1": 2}}  # fmt: skip
     out = run_engine(tmp, "hints", job)
     out["log"] = (tmp / "hints" / "log.txt").read_text()
     return out

@@ -106,6 +106,23 @@ def read_metrics(llm: object) -> dict:
     return metrics
 
 
+def wait_for_hints(llm: object, count: int, limit_s: float = 120) -> None:
+    """Step the engine with one-token requests (shorter than a chunk: nothing stored, nothing
+    loaded) until the connector's hint counter reaches `count`: its stats reach the metrics only
+    with an engine step, and a hint lands on the store's loop after the request's saves."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    deadline = time.monotonic() + limit_s
+    n = 0
+    while read_metrics(llm).get("vllm:agentstate_hints", 0) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} hints applied in {limit_s} s"
+        n += 1
+        llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7 + n % 400])],  # type: ignore[attr-defined]
+                     SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        time.sleep(0.05)
+
+
 def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -134,6 +151,9 @@ def run(job: dict) -> dict:
         sleeps = job.get("sleep", [])
         if i < len(sleeps) and sleeps[i]:
             time.sleep(sleeps[i])
+        wait_hints = job.get("wait_hints", {}).get(str(i))
+        if wait_hints:  # until the worker applied that many hints (a loaded machine: a sleep is not enough)
+            wait_for_hints(llm, wait_hints)
         resets = job.get("reset", [])
         if i and (resets[i] if i < len(resets) else job.get("reset_between_rounds", True)):
             # blocks of a finished session request stay held until its snapshot is written: retry
