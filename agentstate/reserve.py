@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 
+from agentstate.config import StoreConfig
 from agentstate.errors import BackendError, CapacityError
 
 _O_TMPFILE: int = getattr(os, "O_TMPFILE", 0)
@@ -114,6 +115,14 @@ def _allocate(fd: int, offset: int, nbytes: int) -> None:
     while done < nbytes:
         done += os.pwrite(fd, _ZEROS[: min(len(_ZEROS), nbytes - done)], offset + done)
     os.fsync(fd)
+
+
+def local_dirs(config: StoreConfig) -> list[Path]:
+    """The directories of a store's local catalog and local durable tiers: where its deletes and an
+    import's undo write, so where room is held for them."""
+    root = Path(config.path)
+    tiers = [root / (t.path or t.tier_name) for t in config.tier_list() if t.kind in ("lmdb", "file")]
+    return [d for d in [root, *tiers] if d.is_dir()]
 
 
 class StandingReserve:

@@ -25,7 +25,7 @@ from agentstate.datadir import CATALOG
 from agentstate.errors import AgentStateError, CapacityError, KVShapeError
 from agentstate.keyed_locks import KeyedLocks
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, ChunkKey, chunk_keys, namespace_for, validate_id
-from agentstate.reserve import StandingReserve
+from agentstate.reserve import StandingReserve, local_dirs
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget, TensorTarget
 from agentstate.usage import UsageLog
@@ -54,7 +54,7 @@ class StoreScope:
         """accounting and hit times on their way to the catalog (one for every tenant view)"""
         self.locks = KeyedLocks()
         """one writer at a time per tenant/session (shared by every tenant view)"""
-        self.room = StandingReserve([] if read_only else self.local_dirs(), config.disk_reserve_bytes)
+        self.room = StandingReserve([] if read_only else local_dirs(config), config.disk_reserve_bytes)
         """room held free on the local disks for deletes that meet a full disk (see `freeing`)"""
         self._owner = True
 
@@ -101,12 +101,6 @@ class StoreScope:
             await self.catalog.close()
 
     # -- helpers -------------------------------------------------------------------------------
-
-    def local_dirs(self) -> list[Path]:
-        """The directories of the local catalog and the local durable tiers (where deletes write)."""
-        root = Path(self.config.path)
-        tiers = [root / (t.path or t.tier_name) for t in self.config.tier_list() if t.kind in ("lmdb", "file")]
-        return [d for d in [root, *tiers] if d.is_dir()]
 
     async def freeing(self, op: Callable[[], Awaitable[T]]) -> T:
         """Run `op`, an operation that frees space (a catalog removal, a collect, a sweep). On a full

@@ -82,7 +82,7 @@ from agentstate.keys import validate_id
 from agentstate.manifest import SessionManifest, now
 from agentstate.datadir import is_store, spec_differences
 from agentstate.ops.admin import QUIET, Progress
-from agentstate.reserve import Reserve
+from agentstate.reserve import Reserve, local_dirs
 from agentstate.snapshots import check_snapshot, hold_retained, snapshot_manifest, write_session
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
@@ -307,7 +307,7 @@ async def _store_all(
     named = [k for p in plans for k in named_keys(p.manifest)]
     kept = [k for p in plans if p.prev is not None for k in named_keys(p.prev)]
     written: list[str] = []
-    with Reserve(_local_dirs(store)) as reserve:  # CapacityError here: nothing written yet
+    with Reserve(local_dirs(store.config)) as reserve:  # CapacityError here: nothing written yet
         try:
             with store.chunks.pinned([*named, *kept]):  # replaced versions stay stored until the commit stands
                 reserve.grow(_UNDO_BASE_BYTES)
@@ -364,13 +364,6 @@ async def _undo(store: StateStore, written: list[str], exc: BaseException) -> No
         note = getattr(exc, "add_note", None)  # Python >= 3.11
         if note is not None:
             note(f"import could not remove the {len(written)} chunks it wrote ({type(undo_exc).__name__}: {undo_exc})")
-
-
-def _local_dirs(store: StateStore) -> list[Path]:
-    """The directories of the store's local catalog and local tiers (where an undo deletes)."""
-    root = Path(store.config.path)
-    tiers = [root / (t.path or t.tier_name) for t in store.config.tier_list() if t.kind in ("lmdb", "file")]
-    return [d for d in [root, *tiers] if d.is_dir()]
 
 
 async def _check(
