@@ -11,7 +11,9 @@ Eviction from a cache tier takes, in order:
 1. chunks no live hold names (plain LRU), including the holds a tenant placed beyond its share of
    the tier (`share`): hints from one tenant never claim more of a tier than that;
 2. then held chunks, the one expected back last first (`back_at`): a retention contract with no
-   hint says nothing about when, so it goes before any hinted session.
+   hint says nothing about when, so it goes before any hinted session;
+3. never a chunk that ranks before the one coming in (TierManager): an unheld chunk is not cached
+   in a tier at the cost of a held one, so no burst of new chunks undoes the hints.
 
 A key held several times counts with its soonest return (ties: the smaller owner name), for the
 owner of that hold. An owner's share is filled with its keys expected back soonest first; among
@@ -292,6 +294,12 @@ class Holds:
         """Whether some live hold names `key`."""
         self.expire()
         return key in self._keys
+
+    def back_at(self, key: str) -> float:
+        """When `key` is expected back by its soonest live hold; +inf when no hold names it."""
+        self.expire()
+        k = self._keys.get(key)
+        return math.inf if k is None else k.best[0]
 
     def expire(self) -> None:
         """Forget holds whose time is up."""

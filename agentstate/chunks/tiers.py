@@ -3,10 +3,13 @@
 Tiers are ordered fast to slow. Exactly one is the *record* tier (durable; sessions commit to
 it); tiers above it are caches with a byte capacity, evicted over unpinned chunks in the order of
 the tier's eviction policy (`chunks/eviction/`, LRU by default), except that chunks a hold names
-(agent hints, retention: `holds.py`) go last. This is the only place that evicts: backends store
-bytes and never drop one by themselves. A victim
-that no tier below holds is written down first (demotion), so eviction never loses the only
-copy. Accounting is by value bytes and exact: a tier's used bytes never exceed its capacity.
+(agent hints, retention: `holds.py`) go last. A chunk coming in never displaces one that goes
+after it: an unheld chunk takes the room of unheld ones only, a held one also that of chunks held
+for a later return; a chunk that finds no such room is not cached in that tier (it is in the tier
+below). This is the only place that evicts: backends store bytes and never drop one by
+themselves. A victim that no tier below holds is written down first (demotion), so eviction never
+loses the only copy. Accounting is by value bytes and exact: a tier's used bytes never exceed its
+capacity.
 
 Write policies decide where a stored chunk goes at store time:
 - `write_through`: every tier from the first non-device tier down to the record tier.
@@ -205,17 +208,24 @@ class TierManager:
             stored.update(zip(todo, await tier.backend.compress(todo, [stored[k] for k in todo])))
         async with tier.lock if tier.capacity is not None else contextlib.nullcontext():
             new = [(k, stored[k]) for k in originals if k not in tier.policy]
+            if tier.capacity is not None and len(new) > 1:  # held ones first, soonest back first: an
+                # unheld one reserved earlier in the batch cannot make room for them (it is in flight)
+                new.sort(key=lambda item: (self.holds.back_at(item[0]), not self.holds.held(item[0])))
             fits, spill = [], []
             plan = self.holds.plan(tier.sizes, tier.capacity) if tier.capacity is not None and new else {}
             for key, value in new:
-                if tier.capacity is None or await self._make_room(tier, len(value), {k for k, _ in new}, plan):
-                    tier.add(key, len(value))  # reserve now, so later items of the batch see it
-                    tier.inflight[key] = done
+                tier.add(key, len(value))  # reserved first: the holds then say whether it counts
+                tier.inflight[key] = done
+                if tier.capacity is None:  # untracked by the holds: nothing to evict, nothing to tell
+                    fits.append((key, value))
+                    continue
+                self.holds.tier_changed(tier.sizes, [key])
+                if await self._make_room(tier, key, plan):
                     fits.append((key, value))
                 else:
+                    del tier.inflight[key]
+                    self._unreserve(tier, [(key, value)])
                     spill.append((key, value))
-            # the batch's plan stays the one made before it, as eviction of the batch's own room saw it
-            self.holds.tier_changed(tier.sizes, [k for k, _ in fits])
         # The record tier takes no lock: concurrent puts reach the backend together (group commit).
         try:
             if fits:
@@ -250,21 +260,27 @@ class TierManager:
             tier.drop(key)
         self.holds.tier_changed(tier.sizes, [k for k, _ in items])
 
-    async def _make_room(self, tier: Tier, size: int, keep: set[str], plan: Mapping[str, float]) -> bool:
-        """Evict unpinned chunks until `size` more bytes fit: the tier's policy order among the unheld
-        ones, then the held one expected back last (`plan`, from `Holds.plan`). Caller holds `tier.lock`."""
+    async def _make_room(self, tier: Tier, key: str, plan: Mapping[str, float]) -> bool:
+        """Evict until `key`, reserved in `tier` already, fits: unheld chunks in the policy's order,
+        then held ones expected back last (`plan`, from `Holds.plan`), but only chunks that go
+        after `key` itself. An unheld newcomer displacing a held chunk would undo the hold: a large
+        batch of new chunks (an engine's saves grouped under load) would push out exactly the
+        paused sessions the hints kept. Caller holds `tier.lock`."""
         assert tier.capacity is not None
-        if size > tier.capacity:
+        if tier.sizes[key] > tier.capacity:
             return False
 
-        def can_go(key: str) -> bool:
-            return key not in keep and key not in tier.inflight and not self.index.pinned(key)
+        def can_go(other: str) -> bool:
+            return other not in tier.inflight and not self.index.pinned(other)
 
-        while tier.used + size > tier.capacity:
-            key = tier.policy.victim(can_go, plan)
-            if key is None:
+        while tier.used > tier.capacity:
+            victim = tier.policy.victim(can_go, plan)
+            if victim is None:
                 return False
-            await self.evict(tier, key)
+            back, mine = plan.get(victim), plan.get(key)  # None: unheld (or beyond its owner's share)
+            if back is not None and (mine is None or mine >= back):
+                return False  # only held chunks back no later than this one are left
+            await self.evict(tier, victim)
         return True
 
     def eviction_order(self, tier: Tier) -> list[str]:
