@@ -327,6 +327,11 @@ class StoreConfig(BaseSettings):
         default=1.0, gt=0, le=60,
         description="accounting and hit times reach the catalog in one transaction this often (and at close)",
     )  # fmt: skip
+    max_record_bytes: Bytes = Field(
+        default=64 * MiB, gt=0, le=GiB,
+        description="largest record a framework may keep beside a session (a checkpoint, a conversation item;"
+        " agentstate.records): bounds what one write can ask of the catalog",
+    )  # fmt: skip
     disk_reserve_bytes: Bytes = Field(
         default=MiB, ge=0, le=GiB,
         description="room held free on the disk of the data directory (an unnamed preallocated file), spent only"

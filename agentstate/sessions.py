@@ -30,6 +30,7 @@ from agentstate.errors import (
 from agentstate.hints import Hint, HintKind, HintResult, paused_hold_s
 from agentstate.keys import tail_key, validate_id
 from agentstate.manifest import ResumeResult, SessionManifest, now
+from agentstate.records import Records
 from agentstate.snapshots import MAX_STATE_DEPTH as MAX_STATE_DEPTH
 from agentstate.snapshots import check_snapshot, hold_retained, snapshot_manifest, write_session
 from agentstate.store_base import StoreScope
@@ -49,6 +50,7 @@ class Sessions:
         self.chunks, self.catalog, self.usage_log = scope.chunks, scope.catalog, scope.usage_log
         self.config, self.spec, self.tenant = scope.config, scope.spec, scope.tenant
         self.fingerprint = scope.fingerprint
+        self.records = Records(scope)
 
     async def snapshot(
         self,
@@ -209,7 +211,8 @@ class Sessions:
         )
 
     async def fork(self, source_id: str, new_id: str) -> SessionManifest:
-        """A new session sharing every chunk of `source_id` (no copy); only the small tail is copied.
+        """A new session sharing every chunk of `source_id` (no copy); only the small tail and the
+        session's records (`agentstate.records`) are copied.
 
         The fork names chunks it does not write, so it commits only after checking, under its
         pins, that the record tier still holds every one of them (a concurrent delete of the
@@ -218,7 +221,7 @@ class Sessions:
         validate_id(source_id)
         validate_id(new_id)
         async with self.scope.session_lock(new_id):
-            if await self.catalog.get(self.tenant, new_id) is not None:
+            if await self.catalog.get(self.tenant, new_id) is not None or await self.catalog.records(self.tenant, new_id):
                 raise ConflictError(f"session {new_id!r} already exists")
             for _ in range(_FORCE_RETRIES):
                 src = await self._manifest(source_id)
@@ -238,8 +241,11 @@ class Sessions:
                             "last_hit_at": None, "lossy": src.lossy or (tkey is not None and self.config.lossy),
                         }  # fmt: skip
                         manifest = src.model_copy(update={**fields, "created_at": stamp, "updated_at": stamp})
+                        await self.records.copy(source_id, new_id)
                         await self.catalog.commit(manifest, None)
                     except BaseException as exc:
+                        with contextlib.suppress(Exception):
+                            await self.catalog.remove_records(self.tenant, new_id)
                         await self._discard_attempt([], tkey, exc)
                         raise
                 hold_retained(self.chunks, manifest)
@@ -258,12 +264,17 @@ class Sessions:
         return True
 
     async def delete(self, session_id: str) -> None:
-        """Remove a session; chunks no other session or prefix references are deleted (shared
-        stores: by the next gc, see `gc`)."""
+        """Remove a session and its records (`agentstate.records`); chunks no other session or
+        prefix references are deleted (shared stores: by the next gc, see `gc`)."""
         validate_id(session_id)
         async with self.scope.session_lock(session_id):
+            # records first: a delete that fails between the two is retried whole, and a session
+            # made later under this id never finds records of this one
+            had = await self.scope.freeing(lambda: self.catalog.remove_records(self.tenant, session_id))
             manifest, zeroed = await self.scope.freeing(lambda: self.catalog.remove(self.tenant, session_id))
             if manifest is None:
+                if had:
+                    return  # a session with records and no KV yet (a framework's thread)
                 raise SessionNotFoundError(f"no session {session_id!r}")
             self.usage_log.forget(self.tenant, session_id)
             for kind in ("hint", "retain"):

@@ -7,7 +7,7 @@ import copy
 import functools
 import logging
 from collections import Counter
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -156,6 +156,18 @@ class StateStore:
     done = _session_op(Sessions.done)
     usage = _session_op(Sessions.usage)
     gc = _session_op(Sessions.gc)
+
+    async def put_records(self, session_id: str, items: Mapping[str, bytes]) -> None:
+        """Keep framework state beside a session (`agentstate.records`): name -> bytes, all or none."""
+        await self._sessions.records.put(session_id, items)
+
+    async def records(self, session_id: str, prefix: str = "") -> dict[str, bytes]:
+        """A session's records whose name starts with `prefix`, in name order, each checked."""
+        return await self._sessions.records.get(session_id, prefix)
+
+    async def delete_records(self, session_id: str, names: Sequence[str] | None = None) -> int:
+        """Remove named records of a session (None: all of them, the session's KV stays); how many."""
+        return await self._sessions.records.delete(session_id, names)
 
     @classmethod
     def open(

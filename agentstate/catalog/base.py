@@ -83,7 +83,8 @@ class Catalog(ABC):
 
     @abstractmethod
     async def remove(self, tenant: str, session_id: str) -> tuple[SessionManifest | None, list[str]]:
-        """Remove a session; its manifest (None if absent) and the keys that lost their last reference."""
+        """Remove a session's manifest (its records: `remove_records`); the manifest (None if
+        absent) and the keys that lost their last reference."""
 
     @abstractmethod
     async def add_prefix(self, keys: Sequence[str]) -> bool:
@@ -114,6 +115,20 @@ class Catalog(ABC):
 
     @abstractmethod
     async def session_count(self) -> int: ...
+
+    # -- records: what a framework keeps beside a session's KV (`agentstate.records`) ---------
+
+    @abstractmethod
+    async def put_records(self, tenant: str, session_id: str, items: Mapping[str, bytes]) -> None:
+        """Write named records of one session, all of them or none (an existing name is replaced)."""
+
+    @abstractmethod
+    async def records(self, tenant: str, session_id: str, prefix: str = "") -> list[tuple[str, bytes]]:
+        """The session's records whose name starts with `prefix`, in name order."""
+
+    @abstractmethod
+    async def remove_records(self, tenant: str, session_id: str, names: Sequence[str] | None = None) -> int:
+        """Remove the named records of one session (None: all of them); how many were there."""
 
     @abstractmethod
     async def close(self) -> None: ...

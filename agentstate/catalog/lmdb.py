@@ -43,13 +43,14 @@ class LMDBCatalog(Catalog):
         self._path = Path(path)
         self.created = not (self._path / DATA_FILE).exists()
         """whether this open made a new, empty catalog (none was there)"""
-        self._env = open_env(self._path, "catalog", map_size=map_size, max_dbs=5)
+        self._env = open_env(self._path, "catalog", map_size=map_size, max_dbs=6)
         try:
             self._sessions = self._env.open_db(b"sessions")
             self._refs = self._env.open_db(b"refs")
             self._prefixes = self._env.open_db(b"prefixes")
             self._meta = self._env.open_db(b"meta")
             self._usage = self._env.open_db(b"usage")  # tenant/session -> {"counters": {...}, "hit": t}
+            self._records = self._env.open_db(b"records")  # tenant/session NUL name -> framed record
             self._upgrade()
         except BaseException as exc:
             self._env.close()
@@ -241,6 +242,50 @@ class LMDBCatalog(Catalog):
             return old, self._add_refs(txn, named_keys(old), -1)
 
         return await self._write(run)
+
+    # -- records -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _rkey(tenant: str, session_id: str, name: str = "") -> bytes:
+        return f"{tenant}/{session_id}\0{name}".encode()  # ids and names hold no NUL
+
+    async def put_records(self, tenant: str, session_id: str, items: Mapping[str, bytes]) -> None:
+        def run(txn: lmdb.Transaction) -> None:
+            for name, value in items.items():
+                txn.put(self._rkey(tenant, session_id, name), value, db=self._records)
+
+        if items:
+            await self._write(run)
+
+    async def records(self, tenant: str, session_id: str, prefix: str = "") -> list[tuple[str, bytes]]:
+        def run() -> list[tuple[str, bytes]]:
+            start = self._rkey(tenant, session_id, prefix)
+            cut = len(self._rkey(tenant, session_id))
+            with self._env.begin(db=self._records) as txn:
+                cursor = txn.cursor()
+                found = cursor.set_range(start)
+                out = []
+                while found and cursor.key().startswith(start):
+                    out.append((bytes(cursor.key())[cut:].decode(), bytes(cursor.value())))
+                    found = cursor.next()
+            return out
+
+        return await self._run(run)
+
+    def _drop_records(self, txn: lmdb.Transaction, tenant: str, session_id: str, names: Sequence[str] | None) -> int:
+        if names is not None:
+            return sum(bool(txn.delete(self._rkey(tenant, session_id, n), db=self._records)) for n in names)
+        start = self._rkey(tenant, session_id)
+        cursor = txn.cursor(db=self._records)
+        removed = 0
+        found = cursor.set_range(start)
+        while found and cursor.key().startswith(start):
+            found = cursor.delete()  # moves to the next record
+            removed += 1
+        return removed
+
+    async def remove_records(self, tenant: str, session_id: str, names: Sequence[str] | None = None) -> int:
+        return await self._write(lambda txn: self._drop_records(txn, tenant, session_id, names))
 
     # -- shared prefixes -----------------------------------------------------------------------
 

@@ -166,6 +166,28 @@ class RedisCatalog(Catalog):
         raw = await self._call(lambda: self._client.eval(_REMOVE, 1, self._skey(tenant, session_id)))
         return self._parse(raw), []
 
+    # -- records: one hash per session (`r/<tenant>/<session>`, field = name) ------------------
+
+    def _rkey(self, tenant: str, session_id: str) -> str:
+        return f"{self._prefix}r/{tenant}/{session_id}"
+
+    async def put_records(self, tenant: str, session_id: str, items: Mapping[str, bytes]) -> None:
+        if items:  # one HSET: atomic on its one key
+            await self._call(lambda: self._client.hset(self._rkey(tenant, session_id), mapping=dict(items)))
+
+    async def records(self, tenant: str, session_id: str, prefix: str = "") -> list[tuple[str, bytes]]:
+        raw = await self._call(lambda: self._client.hgetall(self._rkey(tenant, session_id)))
+        found = ((_text(k), bytes(v)) for k, v in raw.items())
+        return sorted((k, v) for k, v in found if k.startswith(prefix))
+
+    async def remove_records(self, tenant: str, session_id: str, names: Sequence[str] | None = None) -> int:
+        key = self._rkey(tenant, session_id)
+        if names is None:
+            count = await self._call(lambda: self._client.hlen(key))
+            await self._call(lambda: self._client.delete(key))
+            return int(count)
+        return int(await self._call(lambda: self._client.hdel(key, *names))) if names else 0
+
     async def session_count(self) -> int:
         return len(await self._scan(f"{self._prefix}m/*"))
 

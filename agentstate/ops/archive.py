@@ -82,6 +82,7 @@ from agentstate.keys import validate_id
 from agentstate.manifest import SessionManifest, now
 from agentstate.datadir import is_store, spec_differences
 from agentstate.ops.admin import QUIET, Progress
+from agentstate.records import frame, validate_name
 from agentstate.reserve import Reserve, local_dirs
 from agentstate.snapshots import check_snapshot, hold_retained, snapshot_manifest, write_session
 from agentstate.spec import ModelSpec
@@ -117,6 +118,8 @@ class ArchivedSession(BaseModel):
     """members holding the session's full chunks, in token order"""
     tail: str | None = None
     """member holding the tokens after the last full chunk"""
+    records: dict[str, str] = Field(default_factory=dict)
+    """the session's records (`agentstate.records`: a framework's state), name -> member"""
 
 
 class ArchiveIndex(BaseModel):
@@ -193,6 +196,10 @@ async def export_sessions(
                     chunk_tokens=ct,
                     chunks=names[: len(m.chunk_keys)], tail=names[len(m.chunk_keys)] if m.tail_key else None,
                 )  # fmt: skip
+                for rname, value in (await store.for_tenant(m.tenant).records(m.session_id)).items():
+                    entry.records[rname] = member = f"records/{len(members):06d}.bin"
+                    _put(tar, member, value)
+                    members[member] = Member(size=len(value), xxh3=xxhash.xxh3_64_hexdigest(value))
                 archived.append(entry)
                 progress.advance(m.num_tokens)
             index = ArchiveIndex(
@@ -295,6 +302,8 @@ class _Plan:
     """the manifest to commit (its keys and tail for the target's tenant and chunk size)"""
     usage: dict[str, int] = field(default_factory=dict)
     """what `snapshot` would count for it"""
+    records: dict[str, bytes] = field(default_factory=dict)
+    """the session's records, checked"""
 
 
 async def _store_all(
@@ -316,10 +325,11 @@ async def _store_all(
                     progress.advance(len(p.session.tokens))
                 stamp = now()
                 manifests = [p.manifest.model_copy(update={"updated_at": stamp}) for p in plans]
+                replaced = await _put_records(store, plans)
                 committed = await store.catalog.commit_all([(m, p.prev) for m, p in zip(manifests, plans)])
         except BaseException as exc:
             reserve.release()  # the room the undo's deletes need
-            await _undo(store, written, exc)
+            await _undo(store, written, exc, locals().get("replaced"))
             raise
     for p, m in zip(plans, manifests):
         store.usage_log.add(p.owner, m.session_id, p.usage)
@@ -352,12 +362,37 @@ async def _stage(
     p.usage = (await write_session(store.chunks, m, kv, before_write)).usage(m)
 
 
-async def _undo(store: StateStore, written: list[str], exc: BaseException) -> None:
-    """Collect the chunks a failed import wrote, from every tier: those nothing references. (A
-    cancellation that arrives while the catalog's thread commits can leave the commit landed: then
-    every session stands, whole, and references its chunks, which stay.) A failure here is logged
-    and noted on `exc`: what is left is unreferenced, for gc."""
+_Replaced = list[tuple[str, str, dict[str, bytes], int]]
+"""(tenant, session id, its records before the import, the version the import commits)"""
+
+
+async def _put_records(store: StateStore, plans: list[_Plan]) -> _Replaced:
+    """Replace each imported session's records with the archive's, right before the commit; what
+    each held before, for the undo (records name no chunks: they go first, and come back on failure)."""
+    before: _Replaced = []
+    for p in plans:
+        sid = p.session.session_id
+        old = dict(await store.catalog.records(p.owner, sid))
+        before.append((p.owner, sid, old, p.manifest.version))
+        await store.catalog.remove_records(p.owner, sid)
+        where = f"{p.owner}/{sid}"
+        await store.catalog.put_records(p.owner, sid, {n: frame(where, n, v) for n, v in p.records.items()})
+    return before
+
+
+async def _undo(
+    store: StateStore, written: list[str], exc: BaseException,
+    records: _Replaced | None = None,
+) -> None:  # fmt: skip
+    """Collect the chunks a failed import wrote, from every tier: those nothing references, and put
+    back the records it replaced. (A cancellation that arrives while the catalog's thread commits
+    can leave the commit landed: then every session stands, whole, and references its chunks,
+    which stay.) A failure here is logged and noted on `exc`: what is left is unreferenced, for gc."""
     try:
+        for owner, sid, old, version in records or []:
+            if await store.catalog.version(owner, sid) != version:  # its commit did not land
+                await store.catalog.remove_records(owner, sid)
+                await store.catalog.put_records(owner, sid, old)
         await store.chunks.collect(written, store.catalog.refcounts)
     except Exception as undo_exc:  # noqa: BLE001 - the import's own error is the one to raise
         log.error("import undo failed, %d chunks are left for gc: %s", len(written), undo_exc)
@@ -403,7 +438,20 @@ async def _check(
                 raise ConflictError(
                     f"session {owner}/{s.session_id} exists in the target; pass --force to overwrite it"
                 )
-        plans.append(_Plan(owner, s, prev, manifest))
+        if prev is None and not force and await store.catalog.records(owner, s.session_id):
+            raise ConflictError(
+                f"session {owner}/{s.session_id} has records in the target; pass --force to overwrite it"
+            )
+        plan = _Plan(owner, s, prev, manifest)
+        for rname, member in s.records.items():
+            try:
+                validate_name(rname)
+            except InvalidArgumentError as exc:
+                raise CorruptDataError(f"archive session {owner}/{s.session_id}: {exc}") from None
+            if index.members.get(member, Member(size=0, xxh3="0" * 16)).size > store.config.max_record_bytes:
+                raise CorruptDataError(f"archive record {rname!r} of {s.session_id} is over max_record_bytes")
+            plan.records[rname] = _member(tar, member, index)
+        plans.append(plan)
     progress.start("check archive", len(tokens_of))
     for name, tokens in tokens_of.items():
         buf = _member(tar, name, index)
