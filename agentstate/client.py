@@ -27,11 +27,12 @@ only when KV is sent or received.
 from __future__ import annotations
 
 import asyncio
+import base64
 import builtins
 import random
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
@@ -49,6 +50,7 @@ from agentstate.errors import (
 from agentstate.hints import Hint, HintKind, HintResult
 from agentstate.keys import CHUNK_PREFIX, token_array, validate_id
 from agentstate.manifest import ResumeResult, SessionManifest
+from agentstate.records import validate_name
 from agentstate.spec import ModelSpec
 from agentstate.usage import Usage
 from agentstate.wire import (
@@ -60,6 +62,9 @@ from agentstate.wire import (
     LoadHeader,
     PrefixHeader,
     PrefixStored,
+    RecordNames,
+    RecordsBody,
+    RecordsRemoved,
     ResumeHeader,
     SessionInfo,
     SnapshotHeader,
@@ -276,6 +281,33 @@ class AsyncClient:
         return await self._json(SessionInfo, "GET", _session(session_id, "/info"))
 
     # -- hints and accounting ------------------------------------------------------------------
+
+    async def put_records(self, session_id: str, items: Mapping[str, bytes]) -> None:
+        """Keep a framework's state beside the session (`agentstate.records`), all or none."""
+        if not isinstance(items, Mapping):
+            raise InvalidArgumentError("records must be a mapping of name -> bytes")
+        for name, value in items.items():
+            validate_name(name)
+            if not isinstance(value, bytes | bytearray | memoryview):
+                raise InvalidArgumentError(f"record {name!r}: value must be bytes, not {type(value).__name__}")
+        body = {"records": {n: base64.b64encode(v).decode() for n, v in items.items()}}
+        await self._call("PUT", _session(session_id, "/records"), json=body)
+
+    async def records(self, session_id: str, prefix: str = "") -> dict[str, bytes]:
+        """The session's records whose name starts with `prefix`, in name order (checked by the service)."""
+        params = {"prefix": validate_name(prefix)} if prefix else {}
+        found = await self._json(RecordsBody, "GET", _session(session_id, "/records"), params=params)
+        return dict(sorted(found.records.items()))
+
+    async def record_names(self, session_id: str, prefix: str = "") -> builtins.list[str]:
+        params = {"prefix": validate_name(prefix)} if prefix else {}
+        return (await self._json(RecordNames, "GET", _session(session_id, "/record-names"), params=params)).names
+
+    async def delete_records(self, session_id: str, names: Sequence[str] | None = None) -> int:
+        if isinstance(names, str):
+            raise InvalidArgumentError("names must be a list of record names, not one string")
+        body = {"names": None if names is None else [validate_name(n) for n in names]}
+        return (await self._json(RecordsRemoved, "POST", _session(session_id, "/records/delete"), json=body)).removed
 
     async def hint(self, session_id: str, hint: HintKind | Hint, expected_s: float | None = None) -> HintResult:
         """Tell the service what comes next for the session (see `agentstate.hints`): `paused`
@@ -530,6 +562,18 @@ class Client:
 
     def info(self, session_id: str) -> SessionInfo:
         return self._wait(self._async.info(session_id))
+
+    def put_records(self, session_id: str, items: Mapping[str, bytes]) -> None:
+        return self._wait(self._async.put_records(session_id, items))
+
+    def records(self, session_id: str, prefix: str = "") -> dict[str, bytes]:
+        return self._wait(self._async.records(session_id, prefix))
+
+    def record_names(self, session_id: str, prefix: str = "") -> builtins.list[str]:
+        return self._wait(self._async.record_names(session_id, prefix))
+
+    def delete_records(self, session_id: str, names: Sequence[str] | None = None) -> int:
+        return self._wait(self._async.delete_records(session_id, names))
 
     def hint(self, session_id: str, hint: HintKind | Hint, expected_s: float | None = None) -> HintResult:
         return self._wait(self._async.hint(session_id, hint, expected_s))

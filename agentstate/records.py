@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from agentstate.errors import CorruptDataError, InvalidArgumentError
 from agentstate.keys import validate_id
-from agentstate.store_base import StoreScope
+
+if TYPE_CHECKING:  # the SDK imports the names' check from here, without torch
+    from agentstate.store_base import StoreScope
 
 _NAME = re.compile(r"[!-~]{1,240}")
 _SUM = 8
@@ -94,6 +97,13 @@ class Records:
         rows = await self.scope.catalog.records(self.scope.tenant, session_id, prefix)
         where = self._where(session_id)
         return {name: unframe(stored, where, name) for name, stored in rows}
+
+    async def names(self, session_id: str, prefix: str = "") -> list[str]:
+        """The names of the records of `session_id` that start with `prefix`, in name order."""
+        self._check(session_id)
+        if prefix:
+            validate_name(prefix)
+        return await self.scope.catalog.record_names(self.scope.tenant, session_id, prefix)
 
     async def delete(self, session_id: str, names: Sequence[str] | None = None) -> int:
         """Remove the named records of `session_id` (None: all); how many were there."""

@@ -165,6 +165,10 @@ class StateStore:
         """A session's records whose name starts with `prefix`, in name order, each checked."""
         return await self._sessions.records.get(session_id, prefix)
 
+    async def record_names(self, session_id: str, prefix: str = "") -> list[str]:
+        """The names of a session's records that start with `prefix`, in name order (no values read)."""
+        return await self._sessions.records.names(session_id, prefix)
+
     async def delete_records(self, session_id: str, names: Sequence[str] | None = None) -> int:
         """Remove named records of a session (None: all of them, the session's KV stays); how many."""
         return await self._sessions.records.delete(session_id, names)

@@ -23,11 +23,13 @@ models and errors import without it.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import struct
 from typing import TYPE_CHECKING, Any
 
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from agentstate.errors import (
     AgentStateError,
@@ -171,6 +173,48 @@ class LoadHeader(KVHeader):
 
 class ForkRequest(_Strict):
     new_id: str
+
+
+class RecordsBody(_Strict):
+    """A session's records (`agentstate.records`) on the wire: name -> standard base64 of the bytes
+    (RFC 4648, padded, no line breaks; anything else is refused)."""
+
+    records: dict[str, bytes]
+
+    @field_validator("records", mode="before")
+    @classmethod
+    def _decode(cls, value: object) -> object:
+        if not isinstance(value, dict):
+            return value
+        out = {}
+        for name, text in value.items():
+            if isinstance(text, bytes):
+                out[name] = text  # built in Python (the service's reply): already bytes
+                continue
+            if not isinstance(text, str):
+                raise ValueError(f"record {str(name)[:100]!r}: base64 text expected")
+            try:
+                out[name] = base64.b64decode(text, validate=True)
+            except (ValueError, binascii.Error):
+                raise ValueError(f"record {str(name)[:100]!r}: not standard base64") from None
+        return out
+
+    @field_serializer("records")
+    def _encode(self, records: dict[str, bytes]) -> dict[str, str]:
+        return {name: base64.b64encode(value).decode() for name, value in records.items()}
+
+
+class RecordNames(_Strict):
+    names: list[str]
+
+
+class RecordsDelete(_Strict):
+    names: list[str] | None = None
+    """the records to remove; None: all of the session's"""
+
+
+class RecordsRemoved(_Strict):
+    removed: int
 
 
 class TokensRequest(_Strict):

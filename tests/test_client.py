@@ -172,3 +172,33 @@ def test_every_error_code_comes_back_as_its_class(cls: type[AgentStateError]) ->
     back = error_from(status, code, "x")
     assert type(back) is cls
     assert back.retryable == cls.retryable  # a refusal (502) is never retried; an outage (503) is
+
+
+async def test_records_through_the_service_are_exact_per_tenant_and_typed(alice: AsyncClient, bob: AsyncClient) -> None:
+    """A framework's records over HTTP (PUT, GET, names, delete): bytes exact, tenants apart, bad
+    names refused before anything is sent and by the service, the session's KV untouched."""
+    import os
+
+    data = {f"ckpt/{i:03d}": os.urandom(n) for i, n in enumerate([0, 1, 1000, 30_000])}
+    await alice.put_records("thread-9", data)
+    assert await alice.records("thread-9") == data
+    assert await alice.record_names("thread-9", "ckpt/00") == sorted(data)
+    assert await alice.records("thread-9", "ckpt/003") == {"ckpt/003": data["ckpt/003"]}
+    assert await bob.records("thread-9") == {}  # another tenant
+    toks, kv = random_tokens(100), random_kv(SPEC4, 100)
+    await alice.snapshot("thread-9", toks, kv)
+    await alice.fork("thread-9", "thread-9b")
+    assert await alice.records("thread-9b") == data
+    assert await alice.delete_records("thread-9", ["ckpt/000", "nope"]) == 1
+    assert bits_equal((await alice.resume("thread-9")).kv, kv)  # records go, the KV stays
+    for bad in ({"bad name": b"x"}, {"ok": "str"}, {"": b""}):
+        with pytest.raises(InvalidArgumentError):
+            await alice.put_records("thread-9", bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidSessionIdError):
+        await alice.records("../etc")
+    with pytest.raises(InvalidArgumentError):  # the service checks names too (a client not this SDK)
+        await alice._call("PUT", "/v1/sessions/thread-9/records", json={"records": {"x y": "AA=="}})  # noqa: SLF001
+    assert await alice.delete_records("thread-9") == 3
+    assert await alice.records("thread-9") == {}
+    await alice.delete("thread-9b")
+    assert await alice.records("thread-9b") == {}

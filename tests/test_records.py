@@ -59,6 +59,9 @@ async def test_records_round_trip_by_prefix_and_survive_a_restart(opened: Callab
         await store.put_records("thread-1", {"writes/x": b"w"})
         assert await store.records("thread-1") == {**data, "writes/x": b"w"}
         assert list(await store.records("thread-1", "ckpt/")) == sorted(data)  # name order
+        assert await store.record_names("thread-1", "ckpt/") == sorted(data)
+        assert await store.record_names("thread-1") == [*sorted(data), "writes/x"]
+        assert await store.record_names("thread-1", "ckpt/0003") == ["ckpt/0003|ns:a%2F"]
         assert await store.records("thread-1", "writes/") == {"writes/x": b"w"}
         assert await store.records("nobody") == {}
         other = store.for_tenant("other")

@@ -272,6 +272,23 @@ class LMDBCatalog(Catalog):
 
         return await self._run(run)
 
+    async def record_names(self, tenant: str, session_id: str, prefix: str = "") -> list[str]:
+        def run() -> list[str]:
+            start = self._rkey(tenant, session_id, prefix)
+            cut = len(self._rkey(tenant, session_id))
+            with self._env.begin(db=self._records) as txn:
+                cursor = txn.cursor()
+                if not cursor.set_range(start):
+                    return []
+                out = []
+                for key in cursor.iternext(keys=True, values=False):
+                    if not key.startswith(start):
+                        break
+                    out.append(bytes(key)[cut:].decode())
+            return out
+
+        return await self._run(run)
+
     def _drop_records(self, txn: lmdb.Transaction, tenant: str, session_id: str, names: Sequence[str] | None) -> int:
         if names is not None:
             return sum(bool(txn.delete(self._rkey(tenant, session_id, n), db=self._records)) for n in names)

@@ -180,6 +180,10 @@ class RedisCatalog(Catalog):
         found = ((_text(k), bytes(v)) for k, v in raw.items())
         return sorted((k, v) for k, v in found if k.startswith(prefix))
 
+    async def record_names(self, tenant: str, session_id: str, prefix: str = "") -> list[str]:
+        raw = await self._call(lambda: self._client.hkeys(self._rkey(tenant, session_id)))
+        return sorted(n for n in map(_text, raw) if n.startswith(prefix))
+
     async def remove_records(self, tenant: str, session_id: str, names: Sequence[str] | None = None) -> int:
         key = self._rkey(tenant, session_id)
         if names is None:

@@ -68,6 +68,10 @@ from agentstate.wire import (
     FRAME_TYPE,
     ErrorBody,
     ForkRequest,
+    RecordNames,
+    RecordsBody,
+    RecordsDelete,
+    RecordsRemoved,
     ResumeHeader,
     SessionInfo,
     SnapshotHeader,
@@ -259,6 +263,29 @@ def _sessions(app: FastAPI, ctx: ServiceContext, metrics: Metrics) -> None:
     async def fork(session_id: str, req: ForkRequest, store: Store) -> SessionInfo:
         """A new session sharing every chunk of this one; 409 if `new_id` exists."""
         return SessionInfo.of(await store.fork(session_id, req.new_id))
+
+    @app.put("/v1/sessions/{session_id}/records", status_code=204, tags=["records"])
+    async def put_records(session_id: str, body: RecordsBody, store: Store) -> Response:
+        """Keep a framework's state beside the session (`agentstate.records`): every record of the
+        body, all or none; a name already there is replaced. Bodies are bounded by `max_json_bytes`."""
+        await store.put_records(session_id, body.records)
+        return Response(status_code=204)
+
+    @app.get("/v1/sessions/{session_id}/records", response_model=RecordsBody, tags=["records"])
+    async def get_records(session_id: str, store: Store, prefix: str = "") -> RecordsBody:
+        """The session's records whose name starts with `prefix`, each checked (500 `corrupt_data`
+        for a damaged one: never its bytes)."""
+        return RecordsBody(records=await store.records(session_id, prefix))
+
+    @app.get("/v1/sessions/{session_id}/record-names", response_model=RecordNames, tags=["records"])
+    async def record_names(session_id: str, store: Store, prefix: str = "") -> RecordNames:
+        """The names of the session's records whose name starts with `prefix`, in name order."""
+        return RecordNames(names=await store.record_names(session_id, prefix))
+
+    @app.post("/v1/sessions/{session_id}/records/delete", response_model=RecordsRemoved, tags=["records"])
+    async def delete_records(session_id: str, body: RecordsDelete, store: Store) -> RecordsRemoved:
+        """Remove the named records (`names`: null for all of them); the session's KV stays."""
+        return RecordsRemoved(removed=await store.delete_records(session_id, body.names))
 
     @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"])
     async def delete(session_id: str, store: Store) -> Response:
