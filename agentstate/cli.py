@@ -476,6 +476,8 @@ def inspect(
             )
         if d.state:
             out.print(f"state: {d.state}", markup=False)
+        if d.records:
+            out.print(f"records: {d.records} (a framework's state kept with the session: checkpoints, items)")
         table = _table("#", "kind", "tokens", "size", "tiers", "key")
         for c in d.chunks:
             tiers = ", ".join(c.tiers) or "[red]missing[/red]"

@@ -43,6 +43,16 @@ class VllmSettings(AdapterSettings):
         " sync: loaded before the forward of the step that computes the rest (one step less of latency)",
     )
 
+    serve_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        description="serve the session API (as `agentstate serve`) from the engine's worker on this port: what an"
+        " agent framework reaches while the engine holds the directory (records, hints, inspect, usage); off by default",
+    )  # fmt: skip
+    serve_host: str = Field(default="127.0.0.1", description="address the embedded session API binds")
+    serve_tokens_file: Path | None = Field(
+        default=None, description="bearer token -> tenant JSON of the embedded session API (else env AGENTSTATE_TOKENS)"
+    )
+
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> tuple[VllmSettings, dict[str, Any]]:
         """(settings, StoreConfig overrides); `config_file` (TOML, YAML or JSON; else env

@@ -27,6 +27,7 @@ from agentstate.adapters.vllm.metadata import AgentStateMetadata
 from agentstate.adapters.vllm.metrics import AgentStateStats, Counts, log
 from agentstate.adapters.vllm.params import clip, clip_message
 from agentstate.adapters.vllm.saves import Saves
+from agentstate.adapters.vllm.service import EmbeddedService
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, BackendError, DataDirLockedError, InvalidArgumentError
 from agentstate.spec import ModelSpec
@@ -49,6 +50,7 @@ class WorkerSide:
         self.store: StateStore | None = None
         self.blocks: EngineBlocks | None = None
         self._server: LookupServer | None = None
+        self._api: EmbeddedService | None = None
         self.loop = LoopThread("agentstate-vllm")
         self.saves = Saves(config, self.counts, self.loop, self.attached)
         self.hints = Hints(config, self.counts, self.loop, self.ready, self.saves)
@@ -118,6 +120,12 @@ class WorkerSide:
         except BaseException:
             await store.close()
             raise
+        if self.config.settings.serve_port is not None and self.rank == 0:
+            try:
+                self._api = await EmbeddedService.start(store, self.config.settings)
+            except Exception as exc:  # noqa: BLE001 - the engine serves on without the session API
+                self.counts.add(errors=1)
+                log.warning("agentstate: the session API is off (the engine serves on): %s", clip_message(exc, 500))
         return store
 
     # -- the lookup channel (on the loop) ----------------------------------------------------------
@@ -209,6 +217,8 @@ class WorkerSide:
             return
         try:
             self.saves.drain(self.config.settings.timeout_s)  # one bound for all of them
+            if self._api is not None:
+                self.loop.run(self._api.stop(10.0), 15.0)
             if self._server is not None:
                 self.loop.run(self._server.stop(), self.config.settings.timeout_s)
             if self.store is not None:

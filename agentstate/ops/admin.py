@@ -137,6 +137,7 @@ async def inspect_session(store: StateStore, session_id: str) -> SessionDetail:
         hint_held_until=None if hold is None else time.time() + (hold.until - time.monotonic()),
         usage=await store.usage(session_id), lossy=m.lossy,
         lossy_tiers=[t.tier_name for t in store.config.tier_list() if t.lossy],
+        records=len(await store.record_names(session_id)),
     )  # fmt: skip
 
 

@@ -84,6 +84,8 @@ class SessionDetail(BaseModel):
     lossy_tiers: list[str] = []
     """this store's tiers that keep a lossy encoding: a copy a chunk has there (or was promoted from
     there) is fp8's reconstruction, not the stored bytes"""
+    records: int = 0
+    """records a framework keeps beside the session (`agentstate.records`: checkpoints, items)"""
 
 
 class GcReport(BaseModel):
