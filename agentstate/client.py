@@ -293,8 +293,17 @@ class AsyncClient:
         body = {"records": {n: base64.b64encode(v).decode() for n, v in items.items()}}
         await self._call("PUT", _session(session_id, "/records"), json=body)
 
-    async def records(self, session_id: str, prefix: str = "") -> dict[str, bytes]:
-        """The session's records whose name starts with `prefix`, in name order (checked by the service)."""
+    async def records(
+        self, session_id: str, prefix: str = "", *, names: Sequence[str] | None = None
+    ) -> dict[str, bytes]:
+        """The session's records whose name starts with `prefix`, in name order, or those of
+        `names` that exist (in that order); checked by the service."""
+        if names is not None:
+            if isinstance(names, str):
+                raise InvalidArgumentError("names must be a list of record names, not one string")
+            body = {"names": [validate_name(n) for n in names]}
+            found = await self._json(RecordsBody, "POST", _session(session_id, "/records/get"), json=body)
+            return {n: found.records[n] for n in body["names"] if n in found.records}
         params = {"prefix": validate_name(prefix)} if prefix else {}
         found = await self._json(RecordsBody, "GET", _session(session_id, "/records"), params=params)
         return dict(sorted(found.records.items()))
@@ -566,8 +575,8 @@ class Client:
     def put_records(self, session_id: str, items: Mapping[str, bytes]) -> None:
         return self._wait(self._async.put_records(session_id, items))
 
-    def records(self, session_id: str, prefix: str = "") -> dict[str, bytes]:
-        return self._wait(self._async.records(session_id, prefix))
+    def records(self, session_id: str, prefix: str = "", *, names: Sequence[str] | None = None) -> dict[str, bytes]:
+        return self._wait(self._async.records(session_id, prefix, names=names))
 
     def record_names(self, session_id: str, prefix: str = "") -> builtins.list[str]:
         return self._wait(self._async.record_names(session_id, prefix))

@@ -89,12 +89,19 @@ class Records:
         async with self.scope.session_lock(session_id):
             await self.scope.freeing(lambda: self.scope.catalog.put_records(self.scope.tenant, session_id, framed))
 
-    async def get(self, session_id: str, prefix: str = "") -> dict[str, bytes]:
-        """The records of `session_id` whose name starts with `prefix`, in name order (checked)."""
+    async def get(self, session_id: str, prefix: str = "", names: Sequence[str] | None = None) -> dict[str, bytes]:
+        """The records of `session_id` whose name starts with `prefix`, in name order, or (`names`)
+        those of these names that exist, in that order; each checked."""
         self._check(session_id)
         if prefix:
             validate_name(prefix)
-        rows = await self.scope.catalog.records(self.scope.tenant, session_id, prefix)
+        if names is not None:
+            if isinstance(names, str):
+                raise InvalidArgumentError("names must be a list of record names, not one string")
+            wanted = list(dict.fromkeys(validate_name(n) for n in names))
+            rows = await self.scope.catalog.records_named(self.scope.tenant, session_id, wanted)
+        else:
+            rows = await self.scope.catalog.records(self.scope.tenant, session_id, prefix)
         where = self._where(session_id)
         return {name: unframe(stored, where, name) for name, stored in rows}
 

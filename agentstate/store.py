@@ -161,9 +161,12 @@ class StateStore:
         """Keep framework state beside a session (`agentstate.records`): name -> bytes, all or none."""
         await self._sessions.records.put(session_id, items)
 
-    async def records(self, session_id: str, prefix: str = "") -> dict[str, bytes]:
-        """A session's records whose name starts with `prefix`, in name order, each checked."""
-        return await self._sessions.records.get(session_id, prefix)
+    async def records(
+        self, session_id: str, prefix: str = "", *, names: Sequence[str] | None = None
+    ) -> dict[str, bytes]:
+        """A session's records whose name starts with `prefix`, in name order, or those of `names`
+        that exist (in that order); each checked."""
+        return await self._sessions.records.get(session_id, prefix, names)
 
     async def record_names(self, session_id: str, prefix: str = "") -> list[str]:
         """The names of a session's records that start with `prefix`, in name order (no values read)."""

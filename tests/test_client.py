@@ -184,6 +184,8 @@ async def test_records_through_the_service_are_exact_per_tenant_and_typed(alice:
     assert await alice.records("thread-9") == data
     assert await alice.record_names("thread-9", "ckpt/00") == sorted(data)
     assert await alice.records("thread-9", "ckpt/003") == {"ckpt/003": data["ckpt/003"]}
+    assert await alice.records("thread-9", names=["ckpt/002", "x", "ckpt/001"]) == {
+        "ckpt/002": data["ckpt/002"], "ckpt/001": data["ckpt/001"]}  # fmt: skip
     assert await bob.records("thread-9") == {}  # another tenant
     toks, kv = random_tokens(100), random_kv(SPEC4, 100)
     await alice.snapshot("thread-9", toks, kv)

@@ -62,6 +62,11 @@ async def test_records_round_trip_by_prefix_and_survive_a_restart(opened: Callab
         assert await store.record_names("thread-1", "ckpt/") == sorted(data)
         assert await store.record_names("thread-1") == [*sorted(data), "writes/x"]
         assert await store.record_names("thread-1", "ckpt/0003") == ["ckpt/0003|ns:a%2F"]
+        some = ["writes/x", "nope", "ckpt/0001|ns:a%2F"]
+        assert await store.records("thread-1", names=some) == {"writes/x": b"w", "ckpt/0001|ns:a%2F": data[some[2]]}
+        assert list(await store.records("thread-1", names=some)) == ["writes/x", "ckpt/0001|ns:a%2F"]
+        with pytest.raises(InvalidArgumentError):
+            await store.records("thread-1", names="writes/x")
         assert await store.records("thread-1", "writes/") == {"writes/x": b"w"}
         assert await store.records("nobody") == {}
         other = store.for_tenant("other")

@@ -126,6 +126,10 @@ class Catalog(ABC):
     async def records(self, tenant: str, session_id: str, prefix: str = "") -> list[tuple[str, bytes]]:
         """The session's records whose name starts with `prefix`, in name order."""
 
+    @abstractmethod
+    async def records_named(self, tenant: str, session_id: str, names: Sequence[str]) -> list[tuple[str, bytes]]:
+        """The session's records of these names that exist, in the order of `names`."""
+
     async def record_names(self, tenant: str, session_id: str, prefix: str = "") -> list[str]:
         """The names of the session's records that start with `prefix`, in name order."""
         return [name for name, _ in await self.records(tenant, session_id, prefix)]

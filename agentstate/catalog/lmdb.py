@@ -272,6 +272,14 @@ class LMDBCatalog(Catalog):
 
         return await self._run(run)
 
+    async def records_named(self, tenant: str, session_id: str, names: Sequence[str]) -> list[tuple[str, bytes]]:
+        def run() -> list[tuple[str, bytes]]:
+            with self._env.begin(db=self._records) as txn:
+                found = [(n, txn.get(self._rkey(tenant, session_id, n))) for n in names]
+            return [(n, bytes(v)) for n, v in found if v is not None]
+
+        return await self._run(run) if names else []
+
     async def record_names(self, tenant: str, session_id: str, prefix: str = "") -> list[str]:
         def run() -> list[str]:
             start = self._rkey(tenant, session_id, prefix)

@@ -180,6 +180,12 @@ class RedisCatalog(Catalog):
         found = ((_text(k), bytes(v)) for k, v in raw.items())
         return sorted((k, v) for k, v in found if k.startswith(prefix))
 
+    async def records_named(self, tenant: str, session_id: str, names: Sequence[str]) -> list[tuple[str, bytes]]:
+        if not names:
+            return []
+        raw = await self._call(lambda: self._client.hmget(self._rkey(tenant, session_id), list(names)))
+        return [(n, bytes(v)) for n, v in zip(names, raw) if v is not None]
+
     async def record_names(self, tenant: str, session_id: str, prefix: str = "") -> list[str]:
         raw = await self._call(lambda: self._client.hkeys(self._rkey(tenant, session_id)))
         return sorted(n for n in map(_text, raw) if n.startswith(prefix))

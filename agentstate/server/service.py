@@ -277,6 +277,11 @@ def _sessions(app: FastAPI, ctx: ServiceContext, metrics: Metrics) -> None:
         for a damaged one: never its bytes)."""
         return RecordsBody(records=await store.records(session_id, prefix))
 
+    @app.post("/v1/sessions/{session_id}/records/get", response_model=RecordsBody, tags=["records"])
+    async def get_named_records(session_id: str, body: RecordNames, store: Store) -> RecordsBody:
+        """The session's records of these names that exist, each checked."""
+        return RecordsBody(records=await store.records(session_id, names=body.names))
+
     @app.get("/v1/sessions/{session_id}/record-names", response_model=RecordNames, tags=["records"])
     async def record_names(session_id: str, store: Store, prefix: str = "") -> RecordNames:
         """The names of the session's records whose name starts with `prefix`, in name order."""
