@@ -28,9 +28,15 @@ import time
 
 
 def make_model(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 2, kv_heads: int = 2,
-               vocab: int = 512, seed: int = 0, head_dim: int | None = None) -> str:
+               vocab: int = 512, seed: int = 0, head_dim: int | None = None, chat: bool = False) -> str:
     """A tiny random-weight Llama in float32 (safetensors) and a WordLevel tokenizer, in `path`
-    (`head_dim`: other than hidden / heads, for more KV per token at little more compute)."""
+    (`head_dim`: other than hidden / heads, for more KV per token at little more compute).
+
+    `chat`: text round-trips through the tokenizer (what a chat template needs): the special tokens
+    get names of their own (`<unk>`, `</s>`, `<s>`), since transformers matches added tokens
+    anywhere in a text and would cut `t158` into `t1` + `58`; and a chat template whose generation
+    prompt opens the assistant's turn as the template renders a past one, so a turn's prompt
+    extends the previous turn's tokens exactly."""
     import torch
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -49,11 +55,24 @@ def make_model(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 2,
         for p in model.parameters():
             p.mul_(4.0)
     model.save_pretrained(path, safe_serialization=True)
-    vocab_map = {f"t{i}": i for i in range(vocab)}
-    tok = Tokenizer(WordLevel(vocab_map, unk_token="t0"))
+    specials = ["<unk>", "</s>", "<s>"] if chat else ["t0", "t1", "t2"]
+    vocab_map = {**{name: i for i, name in enumerate(specials)}, **{f"t{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(WordLevel(vocab_map, unk_token=specials[0]))
     tok.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1", bos_token="t2").save_pretrained(path)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=specials[0], eos_token=specials[1],
+                                   bos_token=specials[2])  # fmt: skip
+    if chat:
+        fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
     return path
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}t5 {{ m['content'] or '' }} t4 "
+    "{% elif m['role'] == 'tool' %}t6 {{ m['content'] }} t4 {% else %}t3 {{ m['content'] }} t4 {% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}t5 {% endif %}"
+)
+"""Roles as tokens (t3 user/system, t5 assistant, t6 tool, t4 end of a message); text is words t<id>."""
 
 
 class BlockProbe:

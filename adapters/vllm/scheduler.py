@@ -176,6 +176,11 @@ class SchedulerSide:
         limit = len(tokens) - 1
         tenant = self._tenant(request)
         session = self._params_for(request).session
+        if session is not None and any(j.tenant == tenant and j.session_id == session[0] for j in self._sessions):
+            # The session's previous turn finished and its snapshot reaches the worker with the next
+            # step: an idle engine's next request would be looked up before it and miss the tail.
+            # None: vLLM asks again next step (the snapshot on its way, which the lookup waits for).
+            return None, False
         keys = self.config.keys(tokens[: limit // c * c], tenant)
         if not keys and session is None:
             return 0, False
