@@ -89,6 +89,7 @@ class Server:
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                    "--served-model-name", "tiny", "--enable-prompt-tokens-details", "--dtype", "float32",
                    "--enforce-eager", "--max-model-len", "4096", "--seed", "0", "--host", "127.0.0.1",
+                   "--enable-auto-tool-choice", "--tool-call-parser", "pythonic",  # what an agent deployment runs
                    "--port", str(self.port)]  # fmt: skip
             if self.data is not None:
                 (self.tmp / "tokens.json").write_text(json.dumps({TOKEN: "default"}))
@@ -235,6 +236,14 @@ def _inspect(server: Server, session: str) -> str:
     return " ".join(done.stdout.split())  # lines wrapped at the terminal's width, joined
 
 
+def _example(server: Server, name: str, session_flag: str) -> str:
+    cmd = [sys.executable, str(ROOT / "examples" / name), "--vllm", server.url + "/v1", "--agentstate", server.api,
+           "--token", TOKEN, session_flag, f"example-{name[:5]}", "--max-tokens", "8", "t7 t8", "t9 t10"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    return done.stdout
+
+
 def test_a_langgraph_agent_keeps_its_thread_and_kv_in_one_session_across_a_restart(
     tmp: Path, model: str, reference: dict[str, Any]
 ) -> None:
@@ -259,6 +268,9 @@ def test_a_langgraph_agent_keeps_its_thread_and_kv_in_one_session_across_a_resta
         assert hints.hinter.dropped == 0
         before = lg.graph.get_state({"configurable": {"thread_id": "thread-7"}}).values["messages"]
         saver.close()
+        for example, session in (("langgraph_agent.py", "--thread"), ("openai_agents_agent.py", "--session")):
+            shown = _example(server, example, session)  # the README's examples run as written
+            assert shown.count("cached]") == 2, shown
     finally:
         server.stop()
 
