@@ -236,6 +236,23 @@ def _inspect(server: Server, session: str) -> str:
     return " ".join(done.stdout.split())  # lines wrapped at the terminal's width, joined
 
 
+def _prompt_leaving_the_session_part_way(server: Server) -> None:
+    """A prompt that differs from the stored session 20 tokens before its end (a template that
+    re-tokenizes the last reply differently): the session still serves every token before that,
+    not only its whole chunks."""
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    assert httpx.post(server.api + "/v1/sessions/thread-7/fork", json={"new_id": "probe"}, headers=auth).is_success
+    stored = httpx.get(server.api + "/v1/sessions/probe", headers=auth).json()["tokens"]
+    n = len(stored) - 20
+    if n % 256 <= 20:  # inside a chunk or the tail, 20+ tokens past its start: whole chunks alone fall short
+        n -= n % 256 + 1
+    server.reset()
+    body = {"model": "tiny", "prompt": stored[:n] + [7] * 30, "max_tokens": 1,
+            "kv_transfer_params": {"agentstate": {"session_id": "probe"}}}  # fmt: skip
+    usage = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == n, usage
+
+
 def _example(server: Server, name: str, session_flag: str) -> str:
     cmd = [sys.executable, str(ROOT / "examples" / name), "--vllm", server.url + "/v1", "--agentstate", server.api,
            "--token", TOKEN, session_flag, f"example-{name[:5]}", "--max-tokens", "8", "t7 t8", "t9 t10"]  # fmt: skip
@@ -268,6 +285,7 @@ def test_a_langgraph_agent_keeps_its_thread_and_kv_in_one_session_across_a_resta
         assert hints.hinter.dropped == 0
         before = lg.graph.get_state({"configurable": {"thread_id": "thread-7"}}).values["messages"]
         saver.close()
+        _prompt_leaving_the_session_part_way(server)
         for example, session in (("langgraph_agent.py", "--thread"), ("openai_agents_agent.py", "--session")):
             shown = _example(server, example, session)  # the README's examples run as written
             assert shown.count("cached]") == 2, shown

@@ -83,7 +83,7 @@ class Loads:
         t1 = time.perf_counter()
         with store.chunks.pinned(job.keys):
             await store.chunks.discover(job.keys)
-            await store.chunks.read(job.keys, job.spans, target, usage=usage)
+            await store.chunks.read(job.keys, job.spans, target, usage=usage, stored=job.stored)
         done = set(target.done)
         read = {k: v for k, v in usage.items() if k.startswith(BYTES_READ) and v}
         self.counts.add(**read, load_wait_ms=round(1000 * (t1 - t0)),

@@ -28,6 +28,8 @@ class LoadJob:
     first: int
     end: int
     tenant: str = ""
+    stored: list[int] | None = None
+    """tokens each chunk holds, where a span takes only its first ones (a session matched part way)"""
 
 
 @dataclass

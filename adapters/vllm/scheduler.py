@@ -199,7 +199,7 @@ class SchedulerSide:
             if n > hit and sess[0]["chunk_tokens"] == c:
                 hit = min(n, limit)
                 plan = {"keys": sess[0]["chunk_keys"][:full], "chunks": full, "tail_key": sess[0]["tail_key"],
-                        "tail_tokens": n - full * c}  # fmt: skip
+                        "tail_tokens": n - full * c, "tail_stored": sess[0].get("tail_stored")}  # fmt: skip
         if hit <= num_computed_tokens:
             return 0, False
         self._matched[request.request_id] = (num_computed_tokens, {**plan, "end": hit})
@@ -241,10 +241,12 @@ class SchedulerSide:
         n_full = min(plan["chunks"], -(-end // c))
         keys = list(plan["keys"][c0:n_full])
         spans = [(i * c, c) for i in range(c0, n_full)]
+        stored = [c] * len(keys)
         if plan.get("tail_key") and end > n_full * c:
             keys.append(plan["tail_key"])
             spans.append((n_full * c, plan["tail_tokens"]))
-        return LoadJob(req_id, keys, spans, block_ids, first, end, tenant)
+            stored.append(int(plan.get("tail_stored") or plan["tail_tokens"]))
+        return LoadJob(req_id, keys, spans, block_ids, first, end, tenant, stored)
 
     # -- each step ---------------------------------------------------------------------------------
 

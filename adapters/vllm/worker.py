@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -144,9 +145,12 @@ class WorkerSide:
         return reply
 
     async def _session_hit(self, view: StateStore, session_id: str, tokens: list[int]) -> dict[str, Any] | None:
-        """The session's manifest if it covers a prefix of `tokens`. A snapshot of this session still
-        being written (the previous turn, finished a moment ago) is waited for, up to half the
-        scheduler's lookup timeout: the next turn then finds all of it, tail included."""
+        """What of the session covers a prefix of `tokens`: all of it, or, when the prompt leaves it
+        part way (a chat template that re-tokenizes the reply differently, an edited turn), its
+        first tokens up to where they differ: KV of a token depends on the tokens before it only,
+        so those are the prompt's own, read from the session's chunks (the last one in part). A
+        snapshot of this session still being written (the previous turn, finished a moment ago) is
+        waited for, up to half the scheduler's lookup timeout: the next turn then finds all of it."""
         saving = self.saves.saving.get((view.tenant, session_id))
         if saving is not None and not saving.done():
             with contextlib.suppress(Exception):  # a failed or slow save: answer with what is stored
@@ -156,14 +160,20 @@ class WorkerSide:
             manifest = await view.session(session_id)
         except AgentStateError:
             return None
-        n = manifest.num_tokens
-        if n > len(tokens) or list(manifest.tokens) != tokens[:n]:
+        n = _common(manifest.tokens, tokens)
+        c = manifest.chunk_tokens
+        if n == 0:
             return None
-        keys = [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
-        if not all(await view.chunks.present(keys)):
+        full = list(manifest.chunk_keys[: n // c])
+        if n % c == 0:
+            part, held = None, 0
+        elif n // c < len(manifest.chunk_keys):
+            part, held = manifest.chunk_keys[n // c], c  # the prompt leaves the session inside a chunk
+        else:
+            part, held = manifest.tail_key, manifest.tail_tokens
+        if not all(await view.chunks.present([*full, *([part] if part else [])])):
             return None
-        return {"tokens": n, "chunk_keys": list(manifest.chunk_keys), "tail_key": manifest.tail_key,
-                "chunk_tokens": manifest.chunk_tokens}  # fmt: skip
+        return {"tokens": n, "chunk_keys": full, "tail_key": part, "tail_stored": held, "chunk_tokens": c}
 
     # -- each step ---------------------------------------------------------------------------------
 
@@ -249,3 +259,12 @@ def _cuda_layout() -> str:
         return str(get_kv_cache_layout())
     except Exception:  # noqa: BLE001 - older/newer vLLM: NHD is the flash-attention default
         return "NHD"
+
+
+def _common(stored: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = min(len(stored), len(tokens))
+    for i in range(n):
+        if stored[i] != tokens[i]:
+            return i
+    return n

@@ -359,17 +359,18 @@ class ChunkStore:
 
     async def read(
         self, keys: Sequence[str], spans: Sequence[Span], target: KVTarget, *, staged: dict[str, Value] | None = None,
-        usage: Counter[str] | None = None, lossy: set[str] | None = None,
+        usage: Counter[str] | None = None, lossy: set[str] | None = None, stored: Sequence[int] | None = None,
     ) -> list[bool]:  # fmt: skip
         """Restore chunk `keys[i]` into `target` at `spans[i]`; which ones arrived intact. Keys
         must be pinned. A corrupt or missing copy is dropped and the next tier tried. `usage`
         counts the bytes read from each tier (`bytes_read:<tier>`), for the caller's accounting;
-        `lossy` collects the keys whose restored bytes are a lossy reconstruction (an fp8 tier's).
+        `lossy` collects the keys whose restored bytes are a lossy reconstruction (an fp8 tier's);
+        `stored[i]`: the tokens chunk i holds when its span restores only its first ones.
         Keys a `warm` is bringing up are read once it is done (from host memory, then)."""
         waits = {self._warming[k] for k in keys if k in self._warming}
         if waits:
             await asyncio.wait(waits)  # not cancelled with this read: other readers wait on it too
-        return await self._transfer.read(keys, spans, target, staged=staged, usage=usage, lossy=lossy)
+        return await self._transfer.read(keys, spans, target, staged=staged, usage=usage, lossy=lossy, stored=stored)
 
     async def fetch(self, keys: Sequence[str], tokens: Sequence[int]) -> dict[str, Value]:
         """Read and check chunks into owned host buffers (prefetch staging)."""

@@ -20,7 +20,7 @@ import torch
 from agentstate import codec
 from agentstate.chunks.io import IOEngine, batches
 from agentstate.chunks.tiers import Tier, TierManager, Value
-from agentstate.errors import AgentStateError
+from agentstate.errors import AgentStateError, InvalidArgumentError
 from agentstate.memory import copy_bytes, host_buffer
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget
@@ -83,13 +83,19 @@ class Transfer:
 
     async def read(
         self, keys: Sequence[str], spans: Sequence[Span], target: KVTarget, *, staged: dict[str, Value] | None = None,
-        usage: Counter[str] | None = None, lossy: set[str] | None = None,
+        usage: Counter[str] | None = None, lossy: set[str] | None = None, stored: Sequence[int] | None = None,
     ) -> list[bool]:  # fmt: skip
         """Restore chunk `keys[i]` into `target` at `spans[i]`; which ones arrived intact.
 
         Chunks in `staged` (checked buffers a prefetch already holds) are copied from there.
         Keys whose restored bytes were a lossy reconstruction (codec.FLAG_LOSSY) are added to `lossy`.
+        `stored[i]`: the tokens chunk i holds, when the span restores only its first `spans[i][1]`
+        (KV of a token depends on the tokens before it only, so a chunk's first tokens are those of
+        any sequence that starts the same); default: the span's own count.
         """
+        held = [n for _, n in spans] if stored is None else [int(s) for s in stored]
+        if len(held) != len(keys) or any(h < n for h, (_, n) in zip(held, spans)):
+            raise InvalidArgumentError("stored: one token count per key, at least its span's")
         ok = [False] * len(keys)
         from_staged = [i for i, k in enumerate(keys) if staged and k in staged]
         if from_staged:
@@ -99,9 +105,9 @@ class Transfer:
                 for i in from_staged:
                     src = codec.decode(
                         staged[keys[i]], key=keys[i], fingerprint=self.fingerprint, dtype=self.spec.torch_dtype,
-                        shape=self.spec.kv_shape(spans[i][1]), verify=False,
+                        shape=self.spec.kv_shape(held[i]), verify=False,
                     )  # fmt: skip
-                    target.write(spans[i][0], src)
+                    target.write(spans[i][0], src[:, :, : spans[i][1]])
                     ok[i] = True
                     if lossy is not None and codec.is_lossy(staged[keys[i]]):
                         lossy.add(keys[i])
@@ -112,11 +118,10 @@ class Transfer:
         rest = [i for i in range(len(keys)) if not ok[i]]
 
         def into_target(j: int, src: torch.Tensor) -> None:
-            target.write(spans[rest[j]][0], src)
+            start, n = spans[rest[j]]
+            target.write(start, src if n == held[rest[j]] else src[:, :, :n])
 
-        got = await self._read(
-            [keys[i] for i in rest], [spans[i][1] for i in rest], into_target, usage=usage, lossy=lossy
-        )
+        got = await self._read([keys[i] for i in rest], [held[i] for i in rest], into_target, usage=usage, lossy=lossy)
         for i, good in zip(rest, got):
             ok[i] = good
         return ok
