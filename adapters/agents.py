@@ -62,6 +62,7 @@ class Bridge:
         self.backend = backend
         self.loop = loop
         self._thread: LoopThread | None = None
+        self._pending: set[concurrent.futures.Future[Any]] = set()
 
     @classmethod
     def connect(cls, url: str, token: str, **client_kw: Any) -> Bridge:
@@ -94,11 +95,16 @@ class Bridge:
         return asyncio.run_coroutine_threadsafe(_run(op, self.backend), self.loop).result(timeout)
 
     def submit(self, op: Callable[[SessionBackend], Awaitable[Any]]) -> concurrent.futures.Future[Any]:
-        """Start `op(backend)` on the home loop without waiting (from any thread)."""
-        return asyncio.run_coroutine_threadsafe(_run(op, self.backend), self.loop)
+        """Start `op(backend)` on the home loop without waiting (from any thread); `close` waits for it."""
+        future = asyncio.run_coroutine_threadsafe(_run(op, self.backend), self.loop)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return future
 
     def close(self) -> None:
-        """Close a client made by `connect` and stop its loop thread (a backend given in is the caller's)."""
+        """Wait (10 s at most) for what `submit` started (the last hints of a run), then close a
+        client made by `connect` and stop its loop thread (a backend given in is the caller's)."""
+        concurrent.futures.wait(list(self._pending), 10.0)
         if self._thread is not None:
             closer = getattr(self.backend, "aclose", None)
             if closer is not None:
@@ -164,7 +170,7 @@ class Hinter:
     def send(self, session_id: str, hint: str, expected_s: float | None = None) -> None:
         future = self.bridge.submit(lambda b: self._send(b, session_id, hint, expected_s))
         self._pending.add(future)
-        future.add_done_callback(self._pending.discard)
+        future.add_done_callback(self._pending.discard)  # the bridge's close waits for it too
 
     async def _send(self, backend: SessionBackend, session_id: str, hint: str, expected_s: float | None) -> None:
         for wait in (*self.RETRIES, None):

@@ -4,12 +4,11 @@
 
 16 LangGraph agents (a model node, then a tool node whose pause is drawn from the agent trace's
 tool pauses, benchmarks/agent_trace.py; the framework's expected time alongside) run concurrently
-against `python -m vllm.entrypoints.openai.api_server` on CPU (a random-weight Llama of 4 layers,
-float32, tests/vllm_engine.py's make_model). Agent i's context starts at 1k..8k tokens (a shared
+against `python -m vllm.entrypoints.openai.api_server` on CPU (a random-weight Llama of
+6 layers, hidden 384, float32, tests/vllm_engine.py's make_model). Agent i's context starts at 1k..8k tokens (a shared
 512-token system prompt and a document of its own) and grows by each reply and tool result.
 Memory is smaller than the working set, as on a real host: vLLM's KV pool
-(VLLM_CPU_KVCACHE_SPACE, 1 GiB) holds about half of it, the connector's host tier a quarter, LMDB
-all of it. Three modes, each on a fresh server and data directory:
+(`--num-gpu-blocks-override`) holds 40% of it, the connector's host tier a quarter, LMDB all of it. Three modes, each on a fresh server and data directory:
 
 - `none`: no connector (vLLM's own prefix cache only; what is evicted is recomputed);
 - `agentstate`: the connector; the checkpointer and the channel (the calls name the thread), no hints;
@@ -59,11 +58,14 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(f"t{rng.randrange(3, 512)}" for _ in range(n))
 
 
-def start_server(tmp: Path, model: str, mode: str, data: Path, host_bytes: int) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_server(
+    tmp: Path, model: str, mode: str, data: Path, host_bytes: int, pool_blocks: int
+) -> tuple[subprocess.Popen[bytes], str, str]:
     port, api = 18700 + random.randrange(200), 18900 + random.randrange(200)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "m",
            "--enable-prompt-tokens-details", "--dtype", "float32", "--enforce-eager", "--max-model-len", "12288",
-           "--seed", "0", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+           "--seed", "0", "--host", "127.0.0.1", "--port", str(port),
+           "--num-gpu-blocks-override", str(pool_blocks)]  # fmt: skip
     if mode != "none":
         (tmp / "tokens.json").write_text(json.dumps({TOKEN: "default"}))
         extra = {"path": str(data), "serve_port": api, "serve_tokens_file": str(tmp / "tokens.json"),
@@ -124,13 +126,14 @@ async def run_mode(mode: str, url: str, api: str, plans: list[dict[str, Any]]) -
     out: list[tuple[int, float]] = []
 
     async def agent(plan: dict[str, Any]) -> None:
-        pauses = list(plan["pauses"])
+        pauses = list(plan["pauses"])  # this mode's copies: every mode replays the same plan
+        results = list(plan["results"])
 
         @tool
         async def work(step: str) -> str:
             """The agent's tool: takes its time."""
             await asyncio.sleep(pauses.pop(0)[0])
-            return plan["results"].pop(0)
+            return results.pop(0)
 
         async def model(state: Chat) -> dict[str, Any]:
             t0 = time.perf_counter()
@@ -199,15 +202,16 @@ def main() -> None:
     t_all = time.perf_counter()
     load_before = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="bench-frameworks-"))
-    model = make_model(str(tmp / "model"), layers=4, hidden=256, heads=4, kv_heads=4, chat=True)
-    token_bytes = 2 * 4 * 4 * 64 * 4
+    model = make_model(str(tmp / "model"), layers=6, hidden=384, heads=6, kv_heads=2, chat=True)
+    token_bytes = 2 * 6 * 2 * 64 * 4
     plans = plans_for(args.agents, args.turns, args.seed, args.time_scale)
     working = sum(len(p["task"].split()) + 512 + args.turns * 200 for p in plans) * token_bytes
     host = working // 4
+    pool_blocks = max(96, working // (128 * token_bytes) * 2 // 5)  # vLLM's own KV pool: 40% of the working set
     results: dict[str, list[tuple[int, float]]] = {}
     for mode in MODES:
         print(f"[{time.strftime('%H:%M:%S')}] {mode}: starting the server", flush=True)
-        proc, url, api = start_server(tmp, model, mode, tmp / f"data-{mode}", host)
+        proc, url, api = start_server(tmp, model, mode, tmp / f"data-{mode}", host, pool_blocks)
         try:
             t0 = time.perf_counter()
             results[mode] = asyncio.run(run_mode(mode, url, api, plans))
@@ -227,8 +231,9 @@ def main() -> None:
         "",
         __doc__.split("\n\n", 2)[2].split("\n\n")[0].replace("\n", " "),
         "",
-        f"{args.agents} agents x {args.turns} tool calls; working set {working / 2**20:.0f} MiB of KV, host tier "
-        f"{host / 2**20:.0f} MiB; model 4 layers x 4 KV heads x 64 (8 KiB of KV per token).",
+        f"{args.agents} agents x {args.turns} tool calls; working set {working / 2**20:.0f} MiB of KV, vLLM's KV pool "
+        f"{pool_blocks} blocks of 128 tokens ({pool_blocks * 128 * token_bytes / 2**20:.0f} MiB), the connector's host "
+        f"tier {host / 2**20:.0f} MiB, LMDB below; model: 6 layers, hidden 384, 2 KV heads x 64 (6 KiB of KV per token).",
         "",
         "| mode | returning turns | TTFT p50 ms | TTFT p99 ms | turns at 4k+ | 4k+ p50 ms | 4k+ p99 ms |",
         "|---|---:|---:|---:|---:|---:|---:|",
