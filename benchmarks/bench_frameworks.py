@@ -183,6 +183,23 @@ def plans_for(agents: int, turns: int, seed: int, time_scale: float) -> list[dic
     return plans
 
 
+MODE_LINES = [
+    "- `none`: no connector (vLLM's own prefix cache only: what it evicted is recomputed);",
+    "- `agentstate`: the connector, `AgentStateSaver` and the channel (every call names its thread), no hints;",
+    "- `hints`: the same with `AgentStateHints` (paused at a tool call with its expected time, resuming at its end).",
+]
+NOTES = [
+    "- TTFT is what the agent waits for: queueing behind the other agents' requests on the engine (2 cores here),",
+    "  then the load or the recompute of its context, then its new tokens. Without the connector, every context",
+    "  vLLM's pool no longer holds is computed again, and the requests queue behind those prefills: the ratio is",
+    "  the recompute's cost and the queue it builds, measured together, as an agent fleet sees it.",
+    "- Hints gain nothing here: the tier below host memory is LMDB read from the page cache (written moments",
+    "  before, nothing drops it), so a host-tier miss costs milliseconds, while the p99 turns wait seconds behind",
+    "  other agents' first-turn prefills, which no hint shortens. What hints buy needs a slow tier below (a disk",
+    "  really read, a remote store): not measured here.",
+]
+
+
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] if s else float("nan")
@@ -231,6 +248,8 @@ def main() -> None:
         "",
         __doc__.split("\n\n", 2)[2].split("\n\n")[0].replace("\n", " "),
         "",
+        *MODE_LINES,
+        "",
         f"{args.agents} agents x {args.turns} tool calls; working set {working / 2**20:.0f} MiB of KV, vLLM's KV pool "
         f"{pool_blocks} blocks of 128 tokens ({pool_blocks * 128 * token_bytes / 2**20:.0f} MiB), the connector's host "
         f"tier {host / 2**20:.0f} MiB, LMDB below; model: 6 layers, hidden 384, 2 KV heads x 64 (6 KiB of KV per token).",
@@ -243,6 +262,7 @@ def main() -> None:
         f"- 4k+ p50, none / agentstate: {by['none'][5] / by['agentstate'][5]:.1f}x; none / hints: "
         f"{by['none'][5] / by['hints'][5]:.1f}x (goal: 5x).",
         f"- p99, agentstate without hints / with hints: {by['agentstate'][3] / by['hints'][3]:.2f}x (goal: 1.5x).",
+        *NOTES,
         "",
         f"Command: `.venv-vllm/bin/python benchmarks/bench_frameworks.py` — "
         f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
