@@ -192,3 +192,39 @@ async def test_an_import_that_fails_puts_the_records_back(tmp_path: Path, open_s
             await import_sessions(target, tmp_path / "a.tar", force=True)
         assert await target.records("s1") == {"old": b"kept"}
         assert (await target.session("s1")).version == version
+
+
+async def test_sessions_with_records_are_listed_per_tenant(opened: Callable[..., Any]) -> None:
+    async with opened() as store:
+        await store.put_records("a", {"x": b"1"})
+        await store.put_records("b", {"x": b"1", "y": b"2"})
+        await store.for_tenant("other").put_records("a", {"x": b"1"})
+        await kv_session(store, "kv-only")
+        mine = await store.catalog.record_sessions(store.tenant)
+        assert sorted(mine) == [(store.tenant, "a"), (store.tenant, "b")]
+        assert len([k for k in await store.catalog.record_sessions() if k[1] == "a"]) == 2
+        await store.delete("b")
+        assert await store.catalog.record_sessions(store.tenant) == [(store.tenant, "a")]
+
+
+async def test_a_thread_with_records_and_no_kv_is_exported_and_imported(tmp_path: Path, open_store: Callable[..., Any]) -> None:
+    """A framework's thread whose KV was never stored (an in-process graph, a first turn not yet
+    answered) is a session too: export carries it, import brings it back, and it conflicts as one."""
+    data = blobs(4, seed=5)
+    async with open_store() as store:
+        await store.put_records("thread-no-kv", data)
+        await kv_session(store, "with-kv")
+        report = await export_sessions(store, tmp_path / "all.tar")
+        assert report.sessions == 2
+        named = await export_sessions(store, tmp_path / "one.tar", session_ids=["thread-no-kv"])
+        assert named.sessions == 1 and named.tokens == 0
+    async with StateStore.open(tmp_path / "target", SPEC4, chunk_tokens=64) as target:
+        await import_sessions(target, tmp_path / "all.tar")
+        assert await target.records("thread-no-kv") == data
+        with pytest.raises(SessionNotFoundError):
+            await target.session("thread-no-kv")  # still no KV: records only
+        with pytest.raises(ConflictError):
+            await import_sessions(target, tmp_path / "one.tar")
+        await target.put_records("thread-no-kv", {"newer": b"n"})
+        await import_sessions(target, tmp_path / "one.tar", force=True)
+        assert await target.records("thread-no-kv") == data  # replaced by the archive's

@@ -135,6 +135,10 @@ class Catalog(ABC):
         return [name for name, _ in await self.records(tenant, session_id, prefix)]
 
     @abstractmethod
+    async def record_sessions(self, tenant: str | None = None) -> list[tuple[str, str]]:
+        """(tenant, session id) of every session of `tenant` (None: of every tenant) that has records."""
+
+    @abstractmethod
     async def remove_records(self, tenant: str, session_id: str, names: Sequence[str] | None = None) -> int:
         """Remove the named records of one session (None: all of them); how many were there."""
 

@@ -280,6 +280,24 @@ class LMDBCatalog(Catalog):
 
         return await self._run(run) if names else []
 
+    async def record_sessions(self, tenant: str | None = None) -> list[tuple[str, str]]:
+        def run() -> list[tuple[str, str]]:
+            prefix = b"" if tenant is None else f"{tenant}/".encode()
+            found: dict[tuple[str, str], None] = {}
+            with self._env.begin(db=self._records) as txn:
+                cursor = txn.cursor()
+                if not cursor.set_range(prefix):
+                    return []
+                while cursor.key().startswith(prefix):
+                    where = bytes(cursor.key()).split(b"\0", 1)[0]
+                    t, _, s = where.decode().partition("/")
+                    found[(t, s)] = None
+                    if not cursor.set_range(where + b"\1"):  # past this session's records
+                        break
+            return list(found)
+
+        return await self._run(run)
+
     async def record_names(self, tenant: str, session_id: str, prefix: str = "") -> list[str]:
         def run() -> list[str]:
             start = self._rkey(tenant, session_id, prefix)

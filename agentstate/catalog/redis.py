@@ -186,6 +186,15 @@ class RedisCatalog(Catalog):
         raw = await self._call(lambda: self._client.hmget(self._rkey(tenant, session_id), list(names)))
         return [(n, bytes(v)) for n, v in zip(names, raw) if v is not None]
 
+    async def record_sessions(self, tenant: str | None = None) -> list[tuple[str, str]]:
+        head = f"{self._prefix}r/"
+        keys = await self._scan(f"{head}{'*' if tenant is None else _glob_escape(tenant) + '/*'}")
+        out = []
+        for key in sorted(keys):
+            t, _, s = key[len(head) :].partition("/")
+            out.append((t, s))
+        return out
+
     async def record_names(self, tenant: str, session_id: str, prefix: str = "") -> list[str]:
         raw = await self._call(lambda: self._client.hkeys(self._rkey(tenant, session_id)))
         return sorted(n for n in map(_text, raw) if n.startswith(prefix))

@@ -76,6 +76,7 @@ from agentstate.errors import (
     CorruptDataError,
     InvalidArgumentError,
     NotFoundError,
+    SessionNotFoundError,
     SpecMismatchError,
 )
 from agentstate.keys import validate_id
@@ -165,7 +166,7 @@ async def export_sessions(
     be restored completely (missing or corrupt chunks) stops the export with CorruptDataError
     naming it, since an archive that silently lost KV would be worse than none: run `verify`.
     """
-    manifests = await _selected(store, session_ids, all_tenants)
+    manifests, records_only = await _selected(store, session_ids, all_tenants)
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".partial")
     members: dict[str, Member] = {}
@@ -196,12 +197,14 @@ async def export_sessions(
                     chunk_tokens=ct,
                     chunks=names[: len(m.chunk_keys)], tail=names[len(m.chunk_keys)] if m.tail_key else None,
                 )  # fmt: skip
-                for rname, value in (await store.for_tenant(m.tenant).records(m.session_id)).items():
-                    entry.records[rname] = member = f"records/{len(members):06d}.bin"
-                    _put(tar, member, value)
-                    members[member] = Member(size=len(value), xxh3=xxhash.xxh3_64_hexdigest(value))
+                _add_records(tar, members, entry, await store.for_tenant(m.tenant).records(m.session_id))
                 archived.append(entry)
                 progress.advance(m.num_tokens)
+            for owner, sid in records_only:  # a framework's thread with no KV yet: its records alone
+                entry = ArchivedSession(tenant=owner, session_id=sid, tokens=[], state={},
+                                        chunk_tokens=store.chunk_tokens, chunks=[])  # fmt: skip
+                _add_records(tar, members, entry, await store.for_tenant(owner).records(sid))
+                archived.append(entry)
             index = ArchiveIndex(
                 format=FORMAT, format_version=FORMAT_VERSION, created_at=time.time(), spec=store.spec,
                 fingerprint=store.fingerprint, sessions=archived, members=members,
@@ -216,14 +219,36 @@ async def export_sessions(
     )  # fmt: skip
 
 
-async def _selected(store: StateStore, session_ids: Sequence[str], all_tenants: bool) -> list[SessionManifest]:
+async def _selected(
+    store: StateStore, session_ids: Sequence[str], all_tenants: bool
+) -> tuple[list[SessionManifest], list[tuple[str, str]]]:
+    """The sessions to export: manifests, and (tenant, id) of sessions that have records and no
+    manifest (a framework's thread whose KV was never stored)."""
     if session_ids and all_tenants:
         raise InvalidArgumentError("name sessions or pass all_tenants, not both")
     if session_ids:
-        return [await store.session(sid) for sid in dict.fromkeys(session_ids)]
-    found = await store.catalog.manifests(None) if all_tenants else [m async for m in store.sessions()]
-    live = [m for m in found if m.fingerprint == store.fingerprint and not m.expired()]
-    return sorted(live, key=lambda m: (m.tenant, m.session_id))
+        manifests, records_only = [], []
+        for sid in dict.fromkeys(session_ids):
+            try:
+                manifests.append(await store.session(sid))
+            except SessionNotFoundError:
+                if not await store.record_names(sid):
+                    raise
+                records_only.append((store.tenant, sid))
+        return manifests, records_only
+    every = await store.catalog.manifests(None if all_tenants else store.tenant)
+    live = [m for m in every if m.fingerprint == store.fingerprint and not m.expired()]
+    named = {(m.tenant, m.session_id) for m in every}
+    records_only = [k for k in await store.catalog.record_sessions(None if all_tenants else store.tenant)
+                    if k not in named]  # fmt: skip
+    return sorted(live, key=lambda m: (m.tenant, m.session_id)), sorted(records_only)
+
+
+def _add_records(tar: tarfile.TarFile, members: dict[str, Member], entry: ArchivedSession, values: dict[str, bytes]) -> None:
+    for rname, value in values.items():
+        entry.records[rname] = member = f"records/{len(members):06d}.bin"
+        _put(tar, member, value)
+        members[member] = Member(size=len(value), xxh3=xxhash.xxh3_64_hexdigest(value))
 
 
 def _add(tar: tarfile.TarFile, members: dict[str, Member], kv: torch.Tensor, fingerprint: str) -> str:
@@ -298,8 +323,9 @@ class _Plan:
     session: ArchivedSession
     prev: SessionManifest | None
     """the target's manifest (expired ones too) when checked: what the commit expects to replace"""
-    manifest: SessionManifest
-    """the manifest to commit (its keys and tail for the target's tenant and chunk size)"""
+    manifest: SessionManifest | None
+    """the manifest to commit (its keys and tail for the target's tenant and chunk size); None for
+    a session archived with records only (no KV: nothing to commit but its records)"""
     usage: dict[str, int] = field(default_factory=dict)
     """what `snapshot` would count for it"""
     records: dict[str, bytes] = field(default_factory=dict)
@@ -313,25 +339,26 @@ async def _store_all(
     catalog transaction. Until that commit nothing names what was staged; if anything fails before
     it lands, the room held for the undo is given back and the chunks this import wrote are
     collected (a chunk something else names by then stays)."""
-    named = [k for p in plans for k in named_keys(p.manifest)]
+    kv = [p for p in plans if p.manifest is not None]
+    named = [k for p in kv for k in named_keys(p.manifest)]  # type: ignore[arg-type]
     kept = [k for p in plans if p.prev is not None for k in named_keys(p.prev)]
     written: list[str] = []
     with Reserve(local_dirs(store.config)) as reserve:  # CapacityError here: nothing written yet
         try:
             with store.chunks.pinned([*named, *kept]):  # replaced versions stay stored until the commit stands
                 reserve.grow(_UNDO_BASE_BYTES)
-                for p in plans:
+                for p in kv:
                     await _stage(store, tar, index, p, reserve, written)
                     progress.advance(len(p.session.tokens))
                 stamp = now()
-                manifests = [p.manifest.model_copy(update={"updated_at": stamp}) for p in plans]
+                manifests = [p.manifest.model_copy(update={"updated_at": stamp}) for p in kv]  # type: ignore[union-attr]
                 replaced = await _put_records(store, plans)
-                committed = await store.catalog.commit_all([(m, p.prev) for m, p in zip(manifests, plans)])
+                committed = await store.catalog.commit_all([(m, p.prev) for m, p in zip(manifests, kv)])
         except BaseException as exc:
             reserve.release()  # the room the undo's deletes need
             await _undo(store, written, exc, locals().get("replaced"))
             raise
-    for p, m in zip(plans, manifests):
+    for p, m in zip(kv, manifests):
         store.usage_log.add(p.owner, m.session_id, p.usage)
         hold_retained(store.chunks, m)
     old_tails = [c.old_tail for c, m in zip(committed, manifests) if c.old_tail and c.old_tail != m.tail_key]
@@ -349,6 +376,7 @@ async def _stage(
     """Write the chunks of one session the record tier lacks, and its tail, as `snapshot` does
     (keys pinned by the caller); `written` gets their keys before they are written."""
     s, m = p.session, p.manifest
+    assert m is not None
     kv = torch.empty(store.spec.kv_shape(len(s.tokens)), dtype=store.spec.torch_dtype)
     for i, name in enumerate([*s.chunks, *([s.tail] if s.tail else [])]):
         a = i * s.chunk_tokens
@@ -373,7 +401,8 @@ async def _put_records(store: StateStore, plans: list[_Plan]) -> _Replaced:
     for p in plans:
         sid = p.session.session_id
         old = dict(await store.catalog.records(p.owner, sid))
-        before.append((p.owner, sid, old, p.manifest.version))
+        # records-only sessions commit no manifest: undone whenever the import fails (version -1)
+        before.append((p.owner, sid, old, p.manifest.version if p.manifest is not None else -1))
         await store.catalog.remove_records(p.owner, sid)
         where = f"{p.owner}/{sid}"
         await store.catalog.put_records(p.owner, sid, {n: frame(where, n, v) for n, v in p.records.items()})
@@ -418,6 +447,13 @@ async def _check(
         if (owner, s.session_id) in seen:
             raise CorruptDataError(f"archive holds session {owner}/{s.session_id} twice")
         seen.add((owner, s.session_id))
+        if not s.tokens and not s.chunks and s.tail is None and s.records:  # records, no KV yet
+            prev = await store.catalog.get(owner, s.session_id)
+            there = (prev is not None and not prev.expired()) or await store.catalog.record_names(owner, s.session_id)
+            if there and not force:
+                raise ConflictError(f"session {owner}/{s.session_id} exists in the target; pass --force to overwrite it")
+            plans.append(_Plan(owner, s, prev, None, records=_checked_records(store, tar, index, owner, s)))
+            continue
         if not s.tokens or len(s.chunks) != len(s.tokens) // s.chunk_tokens:
             raise CorruptDataError(f"session {s.session_id}: {len(s.chunks)} chunks for {len(s.tokens)} tokens")
         if (s.tail is not None) != (len(s.tokens) % s.chunk_tokens > 0):
@@ -442,16 +478,7 @@ async def _check(
             raise ConflictError(
                 f"session {owner}/{s.session_id} has records in the target; pass --force to overwrite it"
             )
-        plan = _Plan(owner, s, prev, manifest)
-        for rname, member in s.records.items():
-            try:
-                validate_name(rname)
-            except InvalidArgumentError as exc:
-                raise CorruptDataError(f"archive session {owner}/{s.session_id}: {exc}") from None
-            if index.members.get(member, Member(size=0, xxh3="0" * 16)).size > store.config.max_record_bytes:
-                raise CorruptDataError(f"archive record {rname!r} of {s.session_id} is over max_record_bytes")
-            plan.records[rname] = _member(tar, member, index)
-        plans.append(plan)
+        plans.append(_Plan(owner, s, prev, manifest, records=_checked_records(store, tar, index, owner, s)))
     progress.start("check archive", len(tokens_of))
     for name, tokens in tokens_of.items():
         buf = _member(tar, name, index)
@@ -462,6 +489,22 @@ async def _check(
             raise CorruptDataError(f"archive member {name} is not a valid chunk: {exc}") from None
         progress.advance()
     return plans
+
+
+def _checked_records(
+    store: StateStore, tar: _Archive, index: ArchiveIndex, owner: str, s: ArchivedSession
+) -> dict[str, bytes]:
+    """An archived session's records, each name and size checked and each member's checksum."""
+    out = {}
+    for rname, member in s.records.items():
+        try:
+            validate_name(rname)
+        except InvalidArgumentError as exc:
+            raise CorruptDataError(f"archive session {owner}/{s.session_id}: {exc}") from None
+        if index.members.get(member, Member(size=0, xxh3="0" * 16)).size > store.config.max_record_bytes:
+            raise CorruptDataError(f"archive record {rname!r} of {s.session_id} is over max_record_bytes")
+        out[rname] = _member(tar, member, index)
+    return out
 
 
 def _as_snapshot(
