@@ -20,7 +20,7 @@ exponential backoff from `retry_backoff_s`, each wait at most `retry_max_wait_s`
 Such a request was refused before anything was read or stored, so retrying it is always safe;
 other errors, a backend outage's 503 included, are raised at once.
 
-The SDK needs httpx and pydantic, not torch (`pip install 'agentstate[client]'`): torch is imported
+The SDK needs httpx and pydantic, not torch (`pip install 'agentstate-kv[client]'`): torch is imported
 only when KV is sent or received.
 """
 

@@ -80,7 +80,7 @@ def _module(coder: str) -> ModuleType:
     except ModuleNotFoundError as exc:
         raise MissingDependencyError(
             f"compression {coder!r} needs {name.partition('.')[0]}, which is not installed:"
-            " pip install 'agentstate[compress]'", module=name.partition(".")[0], extra="compress",
+            " pip install 'agentstate-kv[compress]'", module=name.partition(".")[0], extra="compress",
         ) from exc  # fmt: skip
 
 

@@ -73,7 +73,7 @@ class TierConfig(BaseModel):
     compression: Literal["none", "zstd", "lz4", "fp8", "fp8+zstd"] = Field(
         default="none",
         description="store this tier's values compressed: zstd/lz4 lossless (byte planes), fp8 lossy (e4m3 with"
-        " per-head scales), fp8+zstd; capacity counts compressed bytes; needs agentstate[compress]",
+        " per-head scales), fp8+zstd; capacity counts compressed bytes; needs agentstate-kv[compress]",
     )
 
     def __new__(cls, *args: Any, **data: Any) -> Any:

@@ -88,7 +88,7 @@ class BackendRefusedError(BackendError):
 
 class MissingDependencyError(AgentStateError, ImportError):
     """An optional dependency is not installed; the message names the extra that brings it
-    (`pip install 'agentstate[service]'`), `name` the missing module, `extra` the extra. Also an
+    (`pip install 'agentstate-kv[service]'`), `name` the missing module, `extra` the extra. Also an
     ImportError, so `except ImportError` guards written for the raw error keep working."""
 
     def __init__(self, message: str, *, module: str | None = None, extra: str | None = None) -> None:
@@ -104,8 +104,8 @@ class MissingDependencyError(AgentStateError, ImportError):
         if top not in OPTIONAL_MODULES:
             return None
         extra = extra or OPTIONAL_MODULES[top]
-        return cls(f"{needed_for} needs {top}, which is not installed: pip install 'agentstate[{extra}]'",
-                   module=top, extra=extra)  # fmt: skip
+        return cls(f"{needed_for} needs {top}, which is not installed: pip install 'agentstate-kv[{extra}]'"
+                   f" (from a checkout: pip install -e '.[{extra}]')", module=top, extra=extra)  # fmt: skip
 
 
 OPTIONAL_MODULES = {

@@ -1,6 +1,6 @@
 """One config file for a store, `agentstate serve` and the engine adapters, layered under the env.
 
-A config file is TOML (`.toml`), YAML (`.yaml`, `.yml`; needs PyYAML, `agentstate[yaml]`) or JSON
+A config file is TOML (`.toml`), YAML (`.yaml`, `.yml`; needs PyYAML, `agentstate-kv[yaml]`) or JSON
 (`.json`). Its top level holds `StoreConfig` keys; its tables are `spec` (a ModelSpec, used where
 `--spec` would be), `service` (`agentstate serve`: host, port, tokens_file and every `Limits` key),
 one table per engine adapter (its own keys, under the name the adapter declares: `agentstate.edges`)
@@ -132,7 +132,7 @@ def _yaml() -> Any:
         import yaml
     except ModuleNotFoundError:
         raise MissingDependencyError(
-            "a YAML config file needs PyYAML, which is not installed: pip install 'agentstate[yaml]'"
+            "a YAML config file needs PyYAML, which is not installed: pip install 'agentstate-kv[yaml]'"
             " (or write the file as TOML or JSON)", module="yaml", extra="yaml",
         ) from None  # fmt: skip
     return yaml

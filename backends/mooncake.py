@@ -75,7 +75,7 @@ class MooncakeBackend(Backend):
             import mooncake.store as mooncake_store  # optional dependency: loaded only when chosen
         except ImportError as exc:
             raise ImportError(
-                "the mooncake tier needs mooncake-transfer-engine-non-cuda (pip install 'agentstate[mooncake]')"
+                "the mooncake tier needs mooncake-transfer-engine-non-cuda (pip install 'agentstate-kv[mooncake]')"
             ) from exc
         self._module = mooncake_store
         if protocol == "tcp":

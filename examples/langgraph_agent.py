@@ -10,7 +10,7 @@ Start vLLM with the agentstate connector and the connector's session API (`serve
           "kv_connector_extra_config": {"path": "/data/kv", "serve_port": 8471,
                                         "serve_tokens_file": "tokens.json"}}'
 
-then run the agent (`pip install 'agentstate[frameworks]'`):
+then run the agent (`pip install 'agentstate-kv[frameworks]'`):
 
     python examples/langgraph_agent.py --vllm http://127.0.0.1:8000/v1 \\
         --agentstate http://127.0.0.1:8471 --token my-token --thread trip-1 "Plan a day in Lyon"

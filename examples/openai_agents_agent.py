@@ -2,7 +2,7 @@
 
 Start vLLM as for examples/langgraph_agent.py (the connector with `serve_port`, and
 `--enable-auto-tool-choice --tool-call-parser PARSER` for tool calls), then
-(`pip install 'agentstate[frameworks]'`):
+(`pip install 'agentstate-kv[frameworks]'`):
 
     python examples/openai_agents_agent.py --vllm http://127.0.0.1:8000/v1 \\
         --agentstate http://127.0.0.1:8471 --token my-token --session user-42 "What is on today?"

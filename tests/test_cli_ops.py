@@ -102,14 +102,14 @@ def test_missing_extras_are_one_line_naming_the_extra(data: Path, tmp_path: Path
     tokens.write_text(json.dumps({TOKEN: "default"}))
     redis_tiers = json.dumps([{"kind": "redis", "url": "redis://127.0.0.1:1/0"}, {"kind": "lmdb", "path": "chunks"}])
     cases = [
-        (("serve", "-p", data, "--tokens-file", tokens), "fastapi", {}, "agentstate[service]"),
-        (("serve", "-p", data, "--tokens-file", tokens), "uvicorn,fastapi,starlette", {}, "agentstate[service]"),
-        (("demo", "--data-dir", tmp_path / "demo"), "transformers", {}, "agentstate[demo]"),
-        (("ls", "--url", "http://127.0.0.1:1", "--token", TOKEN), "httpx", {}, "agentstate[client]"),
-        (("ls", "-p", data), "redis", {"AGENTSTATE_TIERS": redis_tiers}, "agentstate[remote]"),
-        (("ls", "-p", data), "torch", {}, "agentstate[store]"),  # a client-only install has no store
-        (("inspect", "agent-1", "-p", data), "lmdb", {}, "agentstate[store]"),
-        (("verify", "-p", data), "torch,numpy,lmdb", {}, "agentstate[store]"),
+        (("serve", "-p", data, "--tokens-file", tokens), "fastapi", {}, "agentstate-kv[service]"),
+        (("serve", "-p", data, "--tokens-file", tokens), "uvicorn,fastapi,starlette", {}, "agentstate-kv[service]"),
+        (("demo", "--data-dir", tmp_path / "demo"), "transformers", {}, "agentstate-kv[demo]"),
+        (("ls", "--url", "http://127.0.0.1:1", "--token", TOKEN), "httpx", {}, "agentstate-kv[client]"),
+        (("ls", "-p", data), "redis", {"AGENTSTATE_TIERS": redis_tiers}, "agentstate-kv[remote]"),
+        (("ls", "-p", data), "torch", {}, "agentstate-kv[store]"),  # a client-only install has no store
+        (("inspect", "agent-1", "-p", data), "lmdb", {}, "agentstate-kv[store]"),
+        (("verify", "-p", data), "torch,numpy,lmdb", {}, "agentstate-kv[store]"),
     ]
     for args, blocked, env, extra in cases:
         code, _, stderr, _ = drive(*args, blocked=blocked, env=env)

@@ -235,7 +235,7 @@ def test_missing_coder_is_a_missing_dependency_error_and_import_agentstate_needs
     monkeypatch.setitem(sys.modules, "lz4.block", None)
     with pytest.raises(MissingDependencyError) as caught:
         compress.require("lz4")
-    assert caught.value.extra == "compress" and "agentstate[compress]" in str(caught.value)
+    assert caught.value.extra == "compress" and "agentstate-kv[compress]" in str(caught.value)
     with pytest.raises(MissingDependencyError):
         CompressedBackend(HostBackend(), "lz4")
     code = ("import sys, agentstate, agentstate.store, agentstate.chunks.registry, agentstate.compress;"

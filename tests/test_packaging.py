@@ -26,7 +26,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
-    (built,) = out.glob("agentstate-*.whl")
+    (built,) = out.glob("agentstate_kv-*.whl")
     return built
 
 
@@ -111,19 +111,20 @@ def test_wheel_ships_types_license_and_one_version(wheel: Path) -> None:
     names = archive.namelist()
     assert "agentstate/py.typed" in names
     dist = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
-    assert dist == f"agentstate-{__version__}.dist-info"
+    assert dist == f"agentstate_kv-{__version__}.dist-info"
     licenses = [n for n in names if n.startswith(f"{dist}/licenses/")]
     assert licenses == [f"{dist}/licenses/LICENSE"]
     text = archive.read(licenses[0]).decode()
     assert text.startswith("Copyright 2026 the agentstate authors") and "Apache License" in text
     meta = Parser().parsestr(archive.read(f"{dist}/METADATA").decode())
     assert meta["Version"] == __version__ and meta["License-Expression"] == "Apache-2.0"
+    assert meta["Name"] == "agentstate-kv"  # the name `agentstate` on PyPI is another project's
     client = [r for r in meta.get_all("Requires-Dist", []) if re.search(r"extra\s*==\s*[\"']client[\"']", r)]
     assert [r.split(";")[0].strip() for r in client] == ["httpx>=0.27"]
 
 
 HEAVY = ("torch", "numpy", "lmdb", "transformers", "fastapi", "uvicorn", "redis")
-"""What `pip install 'agentstate[client]'` must not bring: the SDK is httpx, pydantic and xxhash."""
+"""What `pip install 'agentstate-kv[client]'` must not bring: the SDK is httpx, pydantic and xxhash."""
 
 
 def _requires(wheel: Path) -> dict[str | None, list[str]]:
@@ -142,11 +143,11 @@ def _requires(wheel: Path) -> dict[str | None, list[str]]:
 def test_the_client_extra_installs_no_torch_and_every_engine_side_extra_brings_the_store(wheel: Path) -> None:
     requires = _requires(wheel)
     for name in HEAVY:
-        assert name not in requires[None] + requires["client"], f"agentstate[client] would install {name}"
+        assert name not in requires[None] + requires["client"], f"agentstate-kv[client] would install {name}"
     assert sorted(requires["store"]) == ["lmdb", "numpy", "torch"]
     for extra, names in requires.items():
         if extra not in (None, "client", "yaml", "store"):
-            assert "agentstate" in names, f"agentstate[{extra}] does not bring agentstate[store]"
+            assert "agentstate-kv" in names, f"agentstate-kv[{extra}] does not bring agentstate-kv[store]"
 
 
 def test_the_version_is_written_once() -> None:
@@ -164,7 +165,7 @@ def test_the_version_is_written_once() -> None:
 
 
 # Imports the modules in argv with torch (and numpy, lmdb, the service's packages) unimportable, as in
-# an environment where only `agentstate[client]`'s httpx and pydantic were installed.
+# an environment where only `agentstate-kv[client]`'s httpx and pydantic were installed.
 NO_TORCH = """
 import sys
 

@@ -1,6 +1,6 @@
 """The reports of `ls`, `inspect` and `gc`, apart from the operations that build them: the service
 sends these models and the CLI's remote mode (`--url`) parses them, so this module imports
-neither torch nor the store (a client-only install, `agentstate[client]`, reads them)."""
+neither torch nor the store (a client-only install, `agentstate-kv[client]`, reads them)."""
 
 from __future__ import annotations
 
