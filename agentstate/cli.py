@@ -149,6 +149,10 @@ def _options(
     log_json: Annotated[
         bool, typer.Option("--log-json", envvar="AGENTSTATE_LOG_JSON", help="log lines as JSON objects, one a line")
     ] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=lambda v: _print_version(v), help="print the version and exit"),
+    ] = False,
     config: Annotated[
         Path | None,
         typer.Option(
@@ -163,6 +167,19 @@ def _options(
     _command = f"{ctx.command_path} {ctx.invoked_subcommand}"
     _config_file = config
     configure_logging(log_level.value, log_json)
+
+
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        from agentstate._version import __version__
+
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+def _n(count: int, noun: str) -> str:
+    """`1 session`, `2 sessions`."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 class _Bars:
@@ -417,7 +434,7 @@ def ls(
                 "fp8" if r.lossy else "",
             )  # fmt: skip
         out.print(table)
-        out.print(f"{len(rows)} sessions")
+        out.print(_n(len(rows), "session"))
 
     _emit(rows, json, render)
 
@@ -538,7 +555,7 @@ def stats(
 def _sharing(sessions: int, tokens: int, chunks: int, tails: int, unique: int, logical: int) -> None:
     saved = 1 - unique / logical if logical else 0.0
     out.print(
-        f"{sessions} sessions, {tokens} tokens, {chunks} distinct chunks + {tails} tails: {_size(unique)} stored "
+        f"{_n(sessions, 'session')}, {_n(tokens, 'token')}, {chunks} distinct chunks + {_n(tails, 'tail')}: {_size(unique)} stored "
         f"for {_size(logical)} of sessions ({saved:.0%} shared)"
     )
 
@@ -720,7 +737,7 @@ def export(
             read_only=True,
         )  # fmt: skip
     _emit(r, json, lambda: out.print(
-        f"exported {r.sessions} sessions ({r.tokens} tokens, {r.chunks} chunks) to {r.archive}, {_size(r.bytes)}"
+        f"exported {_n(r.sessions, 'session')} ({_n(r.tokens, 'token')}, {_n(r.chunks, 'chunk')}) to {r.archive}, {_size(r.bytes)}"
     ))  # fmt: skip
 
 
@@ -759,7 +776,7 @@ def import_(
             with _reported():
                 record_spec(path, model)
     _emit(r, json, lambda: out.print(
-        f"imported {r.sessions} sessions ({r.tokens} tokens) from {r.archive}, {r.replaced} replaced"
+        f"imported {_n(r.sessions, 'session')} ({_n(r.tokens, 'token')}) from {r.archive}, {r.replaced} replaced"
     ))  # fmt: skip
 
 

@@ -147,13 +147,19 @@ class AsyncClient:
                 body = {"content": content()} if content is not None else {}
                 response = await self._http.request(method, path, **body, **kw)
             except httpx.TransportError as exc:
-                raise BackendError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+                raise self._unreachable(f"{method} {path}", exc) from exc
             if response.is_error:
                 if attempt < self.retries and await self._wait_if_busy(response, attempt):
                     continue
                 raise _error(response)
             return response
         raise AssertionError("unreachable")
+
+    def _unreachable(self, what: str, exc: httpx.TransportError) -> BackendError:
+        """A transport failure as one line; a refused connection says where it looked."""
+        if isinstance(exc, httpx.ConnectError):
+            return BackendError(f"cannot connect to {self._http.base_url} ({exc}): is the agentstate server running there?")
+        return BackendError(f"{what}: {type(exc).__name__}: {exc}")
 
     async def _wait_if_busy(self, response: httpx.Response, attempt: int) -> bool:
         """Whether `response` is a refusal for want of room (then after waiting to retry it)."""
@@ -185,7 +191,7 @@ class AsyncClient:
                     else:
                         buf = await _body(response)
             except httpx.TransportError as exc:
-                raise BackendError(f"POST {path}: {type(exc).__name__}: {exc}") from exc
+                raise self._unreachable(f"POST {path}", exc) from exc
             if not response.is_error:
                 break
             if attempt < self.retries and await self._wait_if_busy(response, attempt):

@@ -92,7 +92,9 @@ async def open_configured(
     config = loaded.store
     root = Path(config.path)
     if not create and not is_store(root, shared_catalog=config.catalog_url is not None):
-        raise NotFoundError(f"no agentstate data directory at {root}")
+        raise NotFoundError(
+            f"no agentstate data directory at {root} (name the data directory with -p DIR or AGENTSTATE_PATH)"
+        )
     model = spec or directory_spec(root, spec_file, loaded.file)
     async with StateStore.open(config, model, read_only=read_only, writer=writer, recorded=loaded.recordable) as store:
         yield store

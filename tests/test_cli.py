@@ -99,6 +99,16 @@ async def test_ls_inspect_stats_report_what_is_stored(data: Path) -> None:
 
     table = cli("ls", "-p", data)
     assert table.returncode == 0 and "agent-2" in table.stdout and "3 sessions" in table.stdout
+    one = cli("ls", "-p", data, "--tenant", "bob")
+    assert one.returncode == 0 and "1 session" in one.stdout and "1 sessions" not in one.stdout
+
+
+def test_version_is_a_flag_and_a_command() -> None:
+    from agentstate._version import __version__
+
+    for args in (("--version",), ("version",)):
+        done = cli(*args)
+        assert done.returncode == 0 and done.stdout.strip() == __version__, (args, done.stdout, done.stderr)
 
 
 def test_the_installed_command_answers_as_the_test_runner_does(data: Path, tmp_path: Path) -> None:
@@ -228,6 +238,11 @@ async def test_bad_arguments_are_clear_errors(data: Path, tmp_path: Path) -> Non
     assert missing.returncode == 1 and "SessionNotFoundError" in missing.stderr
     nothing = cli("ls", "-p", tmp_path / "nowhere")
     assert nothing.returncode == 1 and "no agentstate data directory" in nothing.stderr
+    assert "-p DIR or AGENTSTATE_PATH" in " ".join(nothing.stderr.split())  # what to do about it
+    refused = cli("ls", "--url", "http://127.0.0.1:1", "--token", "t")
+    shown = " ".join(refused.stderr.split())
+    assert refused.returncode == 1 and "cannot connect to http://127.0.0.1:1" in shown and "server running" in shown
+    assert len(refused.stderr.strip().splitlines()) <= 2 and "Traceback" not in refused.stderr
     (data / "spec.json").unlink()
     unknown = cli("ls", "-p", data)
     assert unknown.returncode == 1 and "--spec" in unknown.stderr  # never guesses a spec
