@@ -415,10 +415,15 @@ def ls(
         from agentstate.ops.reports import SessionRow
 
         rows = _ask(server, lambda c: c.get_json("/v1/admin/sessions", RootModel[list[SessionRow]])).root
+        others: dict[str, int] = {}  # a server shows one tenant's sessions only
     else:
-        from agentstate.ops.admin import list_sessions
+        from agentstate.ops.admin import list_sessions, other_tenants
 
-        rows = _with_store(path or DEFAULT_PATH, spec, tenant, list_sessions, read_only=True, url_hint=True)
+        async def listing(store: Any) -> tuple[Any, dict[str, int]]:
+            found = await list_sessions(store)
+            return found, ({} if found else await other_tenants(store))
+
+        rows, others = _with_store(path or DEFAULT_PATH, spec, tenant, listing, read_only=True, url_hint=True)
 
     def render() -> None:
         table = _table(
@@ -435,6 +440,9 @@ def ls(
             )  # fmt: skip
         out.print(table)
         out.print(_n(len(rows), "session"))
+        if not rows and others:
+            where = ", ".join(f"{t} ({n})" for t, n in others.items())
+            out.print(f"sessions of other tenants here: {where}; list them with --tenant T", markup=False)
 
     _emit(rows, json, render)
 

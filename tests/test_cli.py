@@ -103,6 +103,35 @@ async def test_ls_inspect_stats_report_what_is_stored(data: Path) -> None:
     assert one.returncode == 0 and "1 session" in one.stdout and "1 sessions" not in one.stdout
 
 
+async def test_ls_that_finds_none_says_which_tenants_have_sessions(tmp_path: Path) -> None:
+    async with StateStore.open(tmp_path / "d", SPEC4, chunk_tokens=CHUNK) as store:
+        for sid in ("b1", "b2"):
+            await store.for_tenant("bob").snapshot(sid, *session(1))
+        await store.for_tenant("carol").snapshot("c1", *session(2))
+    record_spec(tmp_path / "d", SPEC4)
+    done = cli("ls", "-p", tmp_path / "d")
+    shown = " ".join(done.stdout.split())
+    assert done.returncode == 0 and "0 sessions" in shown and "bob (2), carol (1)" in shown and "--tenant" in shown
+    assert ok_json("ls", "-p", tmp_path / "d") == []  # --json stays the rows
+
+
+def test_serve_on_a_port_in_use_says_so_and_leaves_nothing(tmp_path: Path) -> None:
+    import socket
+
+    (tmp_path / "tokens.json").write_text(json.dumps({"token-0123456789abcdef": "default"}))
+    (tmp_path / "spec.json").write_text(SPEC4.model_dump_json())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = cli("serve", "-p", tmp_path / "new", "--spec", tmp_path / "spec.json", "--tokens-file",
+                   tmp_path / "tokens.json", "--port", str(port))  # fmt: skip
+    shown = " ".join(done.stderr.split())
+    assert done.returncode == 1 and f"port {port} on 127.0.0.1 is in use" in shown and "--port" in shown, done.stderr
+    assert "serving" not in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "new").exists()  # nothing written: the port is bound before the store opens
+
+
 def test_version_is_a_flag_and_a_command() -> None:
     from agentstate._version import __version__
 

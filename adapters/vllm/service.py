@@ -41,20 +41,12 @@ class EmbeddedService:
         import uvicorn
 
         from agentstate.server.gate import Limits
-        from agentstate.server.service import create_app, load_tokens, uvicorn_config
+        from agentstate.server.service import create_app, listening_socket, load_tokens, uvicorn_config
 
         assert settings.serve_port is not None
         tokens = load_tokens(settings.serve_tokens_file)
         limits = Limits()
-        sock = socket.socket(socket.AF_INET6 if ":" in settings.serve_host else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((settings.serve_host, settings.serve_port))
-            sock.listen(128)
-            sock.setblocking(False)
-        except OSError as exc:
-            sock.close()
-            raise BackendError(f"session API: cannot bind {settings.serve_host}:{settings.serve_port}: {exc}") from exc
+        sock = listening_socket(settings.serve_host, settings.serve_port)
         server = uvicorn.Server(uvicorn_config(create_app(store, tokens, limits), limits))
         server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # the engine owns its signals
         task = asyncio.ensure_future(server.serve(sockets=[sock]))

@@ -111,6 +111,15 @@ async def list_sessions(store: StateStore) -> list[SessionRow]:
     return sorted([_row(store, m) async for m in store.sessions()], key=lambda r: r.session_id)
 
 
+async def other_tenants(store: StateStore) -> dict[str, int]:
+    """Live sessions per tenant other than the store's own: where a listing that found none should look."""
+    counts: dict[str, int] = {}
+    for m in await store.catalog.manifests(None):
+        if m.tenant != store.tenant and not m.expired():
+            counts[m.tenant] = counts.get(m.tenant, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 async def inspect_session(store: StateStore, session_id: str) -> SessionDetail:
     """A session's manifest, and for every chunk: its key, size and which tiers hold it."""
     m = await store.session(session_id)

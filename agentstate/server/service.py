@@ -22,10 +22,12 @@ and what does not fit is answered 503 `overloaded` with Retry-After (the SDK ret
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,7 +43,7 @@ from starlette.exceptions import HTTPException
 from agentstate import codec
 from agentstate._version import __version__
 from agentstate.config import StoreConfig
-from agentstate.errors import AgentStateError, InvalidArgumentError, NotFoundError
+from agentstate.errors import AgentStateError, BackendError, InvalidArgumentError, NotFoundError
 from agentstate.hints import Hint, HintResult
 from agentstate.manifest import SessionManifest
 from agentstate.ops import admin
@@ -315,10 +317,21 @@ async def serve(
     store, and return (uvicorn re-raises the signal when it stops, which would end the process
     before the store is closed: here that re-raise is caught). A directory that records another
     spec is refused (SpecMismatchError naming the fields); the spec and `config` are recorded in it
-    as `writer`'s."""
+    as `writer`'s. The port is bound first: one in use is a BackendError before anything is written."""
+    limits = limits or Limits()
+    sock = listening_socket(host, port)  # before the store opens: a port in use leaves no directory behind
+    try:
+        await _serve(config, spec, sock, host=host, port=port, tokens=tokens, limits=limits, writer=writer)
+    finally:
+        sock.close()
+
+
+async def _serve(
+    config: StoreConfig, spec: ModelSpec, sock: Any, *, host: str, port: int, tokens: dict[str, str], limits: Limits,
+    writer: str,
+) -> None:  # fmt: skip
     import uvicorn
 
-    limits = limits or Limits()
     async with StateStore.open(config, spec, writer=writer) as store:
         app = create_app(store, tokens, limits)
         server = uvicorn.Server(uvicorn_config(app, limits, host=host, port=port))
@@ -331,8 +344,25 @@ async def serve(
                 " other replicas refuse them (set --handle-secret-file or AGENTSTATE_SERVICE_HANDLE_SECRET)"
             )
         with _signals_caught():
-            await server.serve()
+            await server.serve(sockets=[sock])
         log.info("stopped serving %s; closing the store", config.path)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to `host`:`port` and listening; a port in use (or an address this host does not
+    have) is a BackendError saying so and what to do, raised before anything else starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+        raise BackendError(f"port {port} on {host} {why}: give another with --port (or [service] port)") from None
+    sock.setblocking(False)
+    return sock
 
 
 def uvicorn_config(app: Any, limits: Limits, **kw: Any) -> Any:
