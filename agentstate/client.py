@@ -50,7 +50,7 @@ from agentstate.errors import (
 from agentstate.hints import Hint, HintKind, HintResult
 from agentstate.keys import CHUNK_PREFIX, token_array, validate_id
 from agentstate.manifest import ResumeResult, SessionManifest
-from agentstate.records import validate_name
+from agentstate.records import validate_items, validate_name, validate_names
 from agentstate.spec import ModelSpec
 from agentstate.usage import Usage
 from agentstate.wire import (
@@ -290,13 +290,7 @@ class AsyncClient:
 
     async def put_records(self, session_id: str, items: Mapping[str, bytes]) -> None:
         """Keep a framework's state beside the session (`agentstate.records`), all or none."""
-        if not isinstance(items, Mapping):
-            raise InvalidArgumentError("records must be a mapping of name -> bytes")
-        for name, value in items.items():
-            validate_name(name)
-            if not isinstance(value, bytes | bytearray | memoryview):
-                raise InvalidArgumentError(f"record {name!r}: value must be bytes, not {type(value).__name__}")
-        body = {"records": {n: base64.b64encode(v).decode() for n, v in items.items()}}
+        body = {"records": {n: base64.b64encode(v).decode() for n, v in validate_items(items).items()}}
         await self._call("PUT", _session(session_id, "/records"), json=body)
 
     async def records(
@@ -305,9 +299,7 @@ class AsyncClient:
         """The session's records whose name starts with `prefix`, in name order, or those of
         `names` that exist (in that order); checked by the service."""
         if names is not None:
-            if isinstance(names, str):
-                raise InvalidArgumentError("names must be a list of record names, not one string")
-            body = {"names": [validate_name(n) for n in names]}
+            body = {"names": validate_names(names)}
             found = await self._json(RecordsBody, "POST", _session(session_id, "/records/get"), json=body)
             return {n: found.records[n] for n in body["names"] if n in found.records}
         params = {"prefix": validate_name(prefix)} if prefix else {}
@@ -319,9 +311,7 @@ class AsyncClient:
         return (await self._json(RecordNames, "GET", _session(session_id, "/record-names"), params=params)).names
 
     async def delete_records(self, session_id: str, names: Sequence[str] | None = None) -> int:
-        if isinstance(names, str):
-            raise InvalidArgumentError("names must be a list of record names, not one string")
-        body = {"names": None if names is None else [validate_name(n) for n in names]}
+        body = {"names": None if names is None else validate_names(names)}
         return (await self._json(RecordsRemoved, "POST", _session(session_id, "/records/delete"), json=body)).removed
 
     async def hint(self, session_id: str, hint: HintKind | Hint, expected_s: float | None = None) -> HintResult:

@@ -8,7 +8,7 @@ it lives in the session's catalog, so one id names both, and the session's life 
 checkpointed before its first model call); its TTL applies once it has a manifest.
 
 A record is named bytes: names are 1-240 printable ASCII characters without spaces (frameworks
-encode their own ids into them, see `agentstate.frameworks`), values at most
+encode their own ids into them, see `agentstate.adapters.langgraph`), values at most
 `StoreConfig.max_record_bytes`. Each value is stored with its xxh3-64 checksum, checked on every
 read: a damaged record is a CorruptDataError, never bytes handed to a framework's deserializer.
 Writes of one call are atomic (one catalog transaction, or one Redis hash command).
@@ -17,7 +17,7 @@ Writes of one call are atomic (one catalog transaction, or one Redis hash comman
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -38,6 +38,26 @@ def validate_name(name: object) -> str:
         shown = repr(name)[:100]
         raise InvalidArgumentError(f"invalid record name {shown}: 1-240 printable ASCII characters, no spaces")
     return name
+
+
+def validate_names(names: Iterable[str]) -> list[str]:
+    """`names` as a list of valid record names (a single string is refused, not read as characters)."""
+    if isinstance(names, str):
+        raise InvalidArgumentError("names must be a list of record names, not one string")
+    return [validate_name(n) for n in names]
+
+
+def validate_items(items: object) -> dict[str, bytes]:
+    """`items` (record name -> bytes) checked, as bytes; InvalidArgumentError for a bad name or value."""
+    if not isinstance(items, Mapping):
+        raise InvalidArgumentError("records must be a mapping of name -> bytes")
+    out = {}
+    for name, value in items.items():
+        validate_name(name)
+        if not isinstance(value, bytes | bytearray | memoryview):
+            raise InvalidArgumentError(f"record {name!r}: value must be bytes, not {type(value).__name__}")
+        out[name] = bytes(value)
+    return out
 
 
 def frame(where: str, name: str, value: bytes) -> bytes:
@@ -75,17 +95,13 @@ class Records:
     async def put(self, session_id: str, items: Mapping[str, bytes]) -> None:
         """Write `items` (name -> bytes) for `session_id`, all or none; a name there is replaced."""
         self._check(session_id)
-        if not isinstance(items, Mapping):
-            raise InvalidArgumentError("records must be a mapping of name -> bytes")
         limit = self.scope.config.max_record_bytes
+        where = self._where(session_id)
         framed = {}
-        for name, value in items.items():
-            validate_name(name)
-            if not isinstance(value, bytes | bytearray | memoryview):
-                raise InvalidArgumentError(f"record {name!r}: value must be bytes, not {type(value).__name__}")
+        for name, value in validate_items(items).items():
             if len(value) > limit:
                 raise InvalidArgumentError(f"record {name!r} is {len(value)} bytes; the limit is {limit} (max_record_bytes)")
-            framed[name] = frame(self._where(session_id), name, bytes(value))
+            framed[name] = frame(where, name, value)
         async with self.scope.session_lock(session_id):
             await self.scope.freeing(lambda: self.scope.catalog.put_records(self.scope.tenant, session_id, framed))
 
@@ -96,9 +112,7 @@ class Records:
         if prefix:
             validate_name(prefix)
         if names is not None:
-            if isinstance(names, str):
-                raise InvalidArgumentError("names must be a list of record names, not one string")
-            wanted = list(dict.fromkeys(validate_name(n) for n in names))
+            wanted = list(dict.fromkeys(validate_names(names)))
             rows = await self.scope.catalog.records_named(self.scope.tenant, session_id, wanted)
         else:
             rows = await self.scope.catalog.records(self.scope.tenant, session_id, prefix)
@@ -116,9 +130,7 @@ class Records:
         """Remove the named records of `session_id` (None: all); how many were there."""
         self._check(session_id)
         if names is not None:
-            if isinstance(names, str):
-                raise InvalidArgumentError("names must be a list of record names, not one string")
-            names = [validate_name(n) for n in names]
+            names = validate_names(names)
         async with self.scope.session_lock(session_id):
             return await self.scope.freeing(
                 lambda: self.scope.catalog.remove_records(self.scope.tenant, session_id, names)
