@@ -101,10 +101,14 @@ class Bridge:
         future.add_done_callback(self._pending.discard)
         return future
 
+    def wait(self, timeout: float = 10.0) -> None:
+        """Wait for what `submit` started so far (the hints of a run)."""
+        concurrent.futures.wait(list(self._pending), timeout)
+
     def close(self) -> None:
         """Wait (10 s at most) for what `submit` started (the last hints of a run), then close a
         client made by `connect` and stop its loop thread (a backend given in is the caller's)."""
-        concurrent.futures.wait(list(self._pending), 10.0)
+        self.wait(10.0)
         if self._thread is not None:
             closer = getattr(self.backend, "aclose", None)
             if closer is not None:
@@ -165,12 +169,9 @@ class Hinter:
         self.bridge = bridge
         self.sent = 0
         self.dropped = 0
-        self._pending: set[concurrent.futures.Future[Any]] = set()
 
     def send(self, session_id: str, hint: str, expected_s: float | None = None) -> None:
-        future = self.bridge.submit(lambda b: self._send(b, session_id, hint, expected_s))
-        self._pending.add(future)
-        future.add_done_callback(self._pending.discard)  # the bridge's close waits for it too
+        self.bridge.submit(lambda b: self._send(b, session_id, hint, expected_s))  # the bridge keeps it until done
 
     async def _send(self, backend: SessionBackend, session_id: str, hint: str, expected_s: float | None) -> None:
         for wait in (*self.RETRIES, None):
@@ -189,4 +190,4 @@ class Hinter:
 
     def wait(self, timeout: float = 10.0) -> None:
         """Wait for the hints sent so far (tests, and a clean exit)."""
-        concurrent.futures.wait(list(self._pending), timeout)
+        self.bridge.wait(timeout)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,7 @@ from agentstate.adapters.vllm.saves import Saves
 from agentstate.adapters.vllm.service import EmbeddedService
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, BackendError, DataDirLockedError, InvalidArgumentError
+from agentstate.sessions import leading
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
 
@@ -160,7 +160,7 @@ class WorkerSide:
             manifest = await view.session(session_id)
         except AgentStateError:
             return None
-        n = _common(manifest.tokens, tokens)
+        n = leading([a == b for a, b in zip(manifest.tokens, tokens)])  # the tokens both start with
         c = manifest.chunk_tokens
         if n == 0:
             return None
@@ -259,12 +259,3 @@ def _cuda_layout() -> str:
         return str(get_kv_cache_layout())
     except Exception:  # noqa: BLE001 - older/newer vLLM: NHD is the flash-attention default
         return "NHD"
-
-
-def _common(stored: Sequence[int], tokens: Sequence[int]) -> int:
-    """How many leading tokens two sequences share."""
-    n = min(len(stored), len(tokens))
-    for i in range(n):
-        if stored[i] != tokens[i]:
-            return i
-    return n
