@@ -37,7 +37,7 @@ import hashlib
 import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
@@ -49,7 +49,6 @@ from langgraph.checkpoint.base import (
     Checkpoint,
     CheckpointMetadata,
     CheckpointTuple,
-    get_checkpoint_id,
     get_checkpoint_metadata,
     writes_sort_key,
 )
@@ -226,8 +225,6 @@ class AgentStateSaver(BaseCheckpointSaver[str]):
 
     @staticmethod
     def _id_of(name: str) -> str:
-        from urllib.parse import unquote
-
         return unquote(name.rsplit("/", 1)[1])
 
     async def _list(self, b: SessionBackend, config: RunnableConfig | None, filter: dict[str, Any] | None,

@@ -22,11 +22,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
@@ -59,7 +57,7 @@ from agentstate.adapters.openai_channel import async_http_client, http_client  #
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from ports import address_in_use, free_port  # noqa: E402
-from vllm_engine import make_model  # noqa: E402
+from vllm_engine import make_model, stop_server  # noqa: E402
 
 set_tracing_disabled(True)
 TOKEN = "frameworks-token-0123456789"
@@ -137,20 +135,9 @@ class Server:
         raise AssertionError("reset_prefix_cache kept failing")
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGTERM)  # the connector closes its store
-        try:
-            self.proc.wait(90)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-        time.sleep(1)  # the engine core and worker leave the group last
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc = None
+        if self.proc is not None:
+            stop_server(self.proc)
+            self.proc = None
 
 
 # -- LangGraph -----------------------------------------------------------------------------------

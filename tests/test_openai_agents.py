@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ from agentstate.adapters.openai_channel import async_http_client
 from agentstate.client import AsyncClient
 from agentstate.errors import InvalidArgumentError
 from tests.conftest import SPEC4, random_kv, random_tokens
+from tests.loopback_http import json_server
 from tests.test_service import ALICE, serving
 
 set_tracing_disabled(True)
@@ -68,44 +67,32 @@ async def test_the_session_protocol_through_the_service(tmp_path: Path) -> None:
             await check_protocol(lambda sid: AgentStateSession(sid, client))
 
 
-class Scripted(BaseHTTPRequestHandler):
+SEEN: list[dict[str, Any]] = []
+
+
+def scripted(method: str, path: str, raw: bytes) -> dict[str, Any]:
     """Chat completions: a call to `lookup` first, then an answer; every body kept."""
-
-    seen: list[dict[str, Any]] = []
-
-    def do_POST(self) -> None:  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        Scripted.seen.append(body)
-        last = body["messages"][-1]
-        if last.get("role") == "tool":
-            message: dict[str, Any] = {"role": "assistant", "content": "the answer"}
-            finish = "stop"
-        else:
-            call = {"id": f"call_{len(Scripted.seen)}", "type": "function",
-                    "function": {"name": "lookup", "arguments": json.dumps({"q": "x"})}}  # fmt: skip
-            message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
-        reply = json.dumps({
-            "id": "c", "object": "chat.completion", "created": 0, "model": "m",
-            "choices": [{"index": 0, "finish_reason": finish, "message": message}],
-            "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
-        }).encode()  # fmt: skip
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+    body = json.loads(raw)
+    SEEN.append(body)
+    if body["messages"][-1].get("role") == "tool":
+        message: dict[str, Any] = {"role": "assistant", "content": "the answer"}
+        finish = "stop"
+    else:
+        call = {"id": f"call_{len(SEEN)}", "type": "function",
+                "function": {"name": "lookup", "arguments": json.dumps({"q": "x"})}}  # fmt: skip
+        message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+    return {
+        "id": "c", "object": "chat.completion", "created": 0, "model": "m",
+        "choices": [{"index": 0, "finish_reason": finish, "message": message}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+    }  # fmt: skip
 
 
 @pytest.fixture
 def model_server() -> Iterator[str]:
-    Scripted.seen = []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
-    httpd.shutdown()
+    SEEN.clear()
+    with json_server(scripted) as url:
+        yield url + "/v1"
 
 
 async def test_a_run_stores_the_conversation_names_the_session_and_holds_it_during_the_tool(
@@ -129,7 +116,7 @@ async def test_a_run_stores_the_conversation_names_the_session_and_holds_it_duri
                       model=OpenAIChatCompletionsModel(model="m", openai_client=client))  # fmt: skip
         result = await run(agent, "what is x?", session=session, expected_s={"lookup": 20})
         assert result.final_output == "the answer"
-        assert [b["kv_transfer_params"]["agentstate"]["session_id"] for b in Scripted.seen] == ["user-7"] * 2
+        assert [b["kv_transfer_params"]["agentstate"]["session_id"] for b in SEEN] == ["user-7"] * 2
         (during,) = held
         assert during is not None and during[0] == "paused" and 18 < during[1] <= 20
         items = await session.get_items()
@@ -142,5 +129,5 @@ async def test_a_run_stores_the_conversation_names_the_session_and_holds_it_duri
         await asyncio.to_thread(hooks.hinter.wait)
         assert (hooks.hinter.sent, hooks.hinter.dropped) == (3, 0)  # paused, resuming, done
         assert store.chunks.held("hint:default/user-7") is None  # done: released
-        sent = [m.get("content") for m in Scripted.seen[-2]["messages"] if m.get("role") == "user"]
+        sent = [m.get("content") for m in SEEN[-2]["messages"] if m.get("role") == "user"]
         assert sent == ["what is x?", "and y?"]  # the stored conversation went into the next turn

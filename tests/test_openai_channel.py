@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -16,6 +14,7 @@ import pytest
 
 from agentstate.adapters.openai_channel import async_http_client, http_client, session_for, turn
 from agentstate.errors import InvalidArgumentError, InvalidSessionIdError
+from tests.loopback_http import json_server
 
 REPLY = {
     "id": "c1", "object": "chat.completion", "created": 0, "model": "m",
@@ -29,36 +28,23 @@ COMPLETION = {
 }  # fmt: skip
 
 
-class Recorder(BaseHTTPRequestHandler):
-    seen: list[tuple[str, str, bytes]] = []
+SEEN: list[tuple[str, str, bytes]] = []
 
-    def _answer(self) -> None:
-        body = self.rfile.read(int(self.headers.get("content-length") or 0))
-        Recorder.seen.append((self.command, self.path, body))
-        reply = json.dumps(COMPLETION if self.path.endswith("/v1/completions") else REPLY).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
 
-    do_POST = do_GET = _answer  # noqa: N815
-
-    def log_message(self, *args: Any) -> None:
-        pass
+def record(method: str, path: str, body: bytes) -> dict[str, Any]:
+    SEEN.append((method, path, body))
+    return COMPLETION if path.endswith("/v1/completions") else REPLY
 
 
 @pytest.fixture
 def server() -> Iterator[str]:
-    Recorder.seen = []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
-    httpd.shutdown()
+    SEEN.clear()
+    with json_server(record) as url:
+        yield url + "/v1"
 
 
 def bodies() -> list[Any]:
-    return [json.loads(b) if b else None for _, _, b in Recorder.seen]
+    return [json.loads(b) if b else None for _, _, b in SEEN]
 
 
 def test_model_calls_in_a_turn_carry_the_session_and_nothing_else_changes(server: str) -> None:
@@ -85,7 +71,7 @@ def test_model_calls_in_a_turn_carry_the_session_and_nothing_else_changes(server
     assert b[3]["cache_salt"] == "mine"  # the caller's stands
     assert b[4]["kv_transfer_params"] == {"agentstate": {"session_id": "own"}, "x": 1}
     assert b[5]["kv_transfer_params"] == {"other": 2, "agentstate": want}
-    assert Recorder.seen[6][:2] == ("GET", "/v1/models") and Recorder.seen[6][2] == b""
+    assert SEEN[6][:2] == ("GET", "/v1/models") and SEEN[6][2] == b""
     assert b[7]["kv_transfer_params"]["agentstate"]["session_id"] == session_for("x" * 200)
     assert session_for("x" * 200).startswith("t-") and session_for("agent-1") == "agent-1"
 
@@ -96,8 +82,8 @@ def test_bodies_that_are_not_model_calls_pass_through_byte_for_byte(server: str)
         for raw in (b"[1, 2]", b"not json", b'"text"', b""):
             client.post(server + "/chat/completions", content=raw)
         client.post(server + "/embeddings", json={"input": "x"})
-    assert [b for _, _, b in Recorder.seen[:4]] == [b"[1, 2]", b"not json", b'"text"', b""]
-    assert json.loads(Recorder.seen[4][2]) == {"input": "x"}
+    assert [b for _, _, b in SEEN[:4]] == [b"[1, 2]", b"not json", b'"text"', b""]
+    assert json.loads(SEEN[4][2]) == {"input": "x"}
 
 
 def test_bad_turns_are_refused_before_any_call() -> None:

@@ -21,8 +21,11 @@ One request per `generate` call and float32, so outputs are deterministic (share
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -73,6 +76,22 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}t5 {% endif %}"
 )
 """Roles as tokens (t3 user/system, t5 assistant, t6 tool, t4 end of a message); text is words t<id>."""
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stop a server started in its own process group: SIGTERM (the connector closes its store),
+    SIGKILL after 90 s, then whatever of the group is left (vLLM's engine core and worker leave it last)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    time.sleep(1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 class BlockProbe:
