@@ -50,7 +50,6 @@ from agentstate.errors import (
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
-    from rich.table import Table
 
     from agentstate.client import AsyncClient
     from agentstate.configured import Loaded
@@ -391,12 +390,6 @@ def _when(at: float | None, now: float | None = None) -> str:
     return f"in {text}" if delta >= 0 else f"{text} ago"
 
 
-def _table(*columns: str) -> Table:
-    from rich.table import Table
-
-    return Table(*columns)
-
-
 @app.command("ls")
 def ls(
     ctx: typer.Context,
@@ -426,19 +419,25 @@ def ls(
         rows, others = _with_store(path or DEFAULT_PATH, spec, tenant, listing, read_only=True, url_hint=True)
 
     def render() -> None:
-        table = _table(
-            "session", "version", "tokens", "chunks", "tail", "size", "parent", "pinned", "ttl s", "guaranteed",
-            "expires", "last hit", "lossy",
-        )  # fmt: skip
-        for r in rows:
-            ttl = f"{r.ttl_seconds:g}" if r.ttl_seconds else "-"
-            table.add_row(
+        from agentstate.cli_tables import Column, print_table
+
+        columns = [
+            Column("session"), Column("version", 7, True), Column("tokens", right=True), Column("chunks", 5, True),
+            Column("tail", 6, True), Column("size", 2, True), Column("parent", 8), Column("pinned", 9),
+            Column("ttl s", 10, True), Column("guaranteed", 11), Column("expires", 4), Column("last hit", 3),
+            Column("lossy", 12),
+        ]  # fmt: skip
+        cells = [
+            [
                 r.session_id, str(r.version), str(r.tokens), str(r.chunks), str(r.tail_tokens), _size(r.bytes),
-                r.parent or "-", "yes" if r.pinned else "", ttl, _when(r.guaranteed_until),
-                "never" if r.expires_at is None else _when(r.expires_at), _when(r.last_hit_at),
-                "fp8" if r.lossy else "",
-            )  # fmt: skip
-        out.print(table)
+                r.parent or "-", "yes" if r.pinned else "", f"{r.ttl_seconds:g}" if r.ttl_seconds else "-",
+                _when(r.guaranteed_until), "never" if r.expires_at is None else _when(r.expires_at),
+                _when(r.last_hit_at), "fp8" if r.lossy else "",
+            ]
+            for r in rows
+        ]
+        if rows:
+            print_table(out, columns, cells)
         out.print(_n(len(rows), "session"))
         if not rows and others:
             where = ", ".join(f"{t} ({n})" for t, n in others.items())
@@ -477,7 +476,7 @@ def inspect(
     def render() -> None:
         out.print(
             f"[bold]{d.tenant}/{d.session_id}[/bold] version {d.version}, {d.num_tokens} tokens "
-            f"({len(d.chunks)} chunks of {d.chunk_tokens}, tail {d.tail_tokens}), {_size(d.bytes)}, "
+            f"({_n(len(d.chunks) - bool(d.tail_key), 'chunk')} of {d.chunk_tokens}, tail {d.tail_tokens}), {_size(d.bytes)}, "
             f"spec {d.fingerprint}, {d.missing} missing"
         )
         if d.lossy:
@@ -495,7 +494,7 @@ def inspect(
             u = d.usage
             read = ", ".join(f"{tier} {_size(n)}" for tier, n in sorted(u.bytes_read.items()) if n) or "none"
             out.print(
-                f"usage: {u.resumes} resumes, {u.snapshots} snapshots, {u.hints} hints; tokens read {u.tokens_read},"
+                f"usage: {_n(u.resumes, 'resume')}, {_n(u.snapshots, 'snapshot')}, {_n(u.hints, 'hint')}; tokens read {u.tokens_read},"
                 f" written {u.tokens_written} (deduped {u.tokens_deduped}), recomputed {u.tokens_recomputed};"
                 f" bytes written {_size(u.bytes_written)}, read {read}"
             )
@@ -503,11 +502,16 @@ def inspect(
             out.print(f"state: {d.state}", markup=False)
         if d.records:
             out.print(f"records: {d.records} (a framework's state kept with the session: checkpoints, items)")
-        table = _table("#", "kind", "tokens", "size", "tiers", "key")
-        for c in d.chunks:
-            tiers = ", ".join(c.tiers) or "[red]missing[/red]"
-            table.add_row(str(c.index), c.kind, f"{c.first_token}+{c.tokens}", _size(c.bytes), tiers, c.key)
-        out.print(table)
+        from agentstate.cli_tables import Column, print_table
+
+        columns = [Column("#", right=True), Column("kind"), Column("tokens", right=True), Column("size", right=True),
+                   Column("tiers"), Column("key")]  # fmt: skip
+        cells = [
+            [str(c.index), c.kind, f"{c.first_token}+{c.tokens}", _size(c.bytes), ", ".join(c.tiers) or "MISSING",
+             c.key]
+            for c in d.chunks
+        ]
+        print_table(out, columns, cells)
 
     _emit(d, json, render)
 
@@ -544,12 +548,16 @@ def stats(
         out.print(
             f"[bold]{r.path}[/bold]: spec {r.spec.model_id} ({r.spec.fingerprint}), {r.chunk_tokens} tokens/chunk"
         )
-        table = _table("tier", "record", "durable", "remote", "capacity", "chunks")
-        for t in r.tiers:
-            cap = _size(t.capacity_bytes) if t.capacity_bytes is not None else "-"
-            flags = ["yes" if f else "" for f in (t.record, t.durable, t.remote)]
-            table.add_row(t.name, *flags, cap, str(t.chunks))
-        out.print(table)
+        from agentstate.cli_tables import Column, print_table
+
+        columns = [Column("tier"), Column("record"), Column("durable"), Column("remote"),
+                   Column("capacity", right=True), Column("chunks", right=True)]  # fmt: skip
+        cells = [
+            [t.name, *("yes" if f else "" for f in (t.record, t.durable, t.remote)),
+             _size(t.capacity_bytes) if t.capacity_bytes is not None else "-", str(t.chunks)]
+            for t in r.tiers
+        ]
+        print_table(out, columns, cells)
         _sharing(r.tenant_sessions, r.session_tokens, r.unique_chunks, r.tails, r.unique_bytes, r.logical_bytes)
         from agentstate.edges import key_spaces
 
@@ -697,10 +705,12 @@ def verify(
         r = _with_store(path, spec, None, lambda s: run(s, repair=repair, progress=bars), read_only=not repair)
 
     def render() -> None:
-        table = _table("tier", "checked", "of which engine pages", "ok", "corrupt", "missing", "repaired")
-        for t in r.tiers:
-            table.add_row(t.tier, *(str(v) for v in (t.checked, t.pages, t.ok, t.corrupt, t.missing, t.repaired)))
-        out.print(table)
+        from agentstate.cli_tables import Column, print_table
+
+        names = ["checked", "of which engine pages", "ok", "corrupt", "missing", "repaired"]
+        cells = [[t.tier, *(str(v) for v in (t.checked, t.pages, t.ok, t.corrupt, t.missing, t.repaired))]
+                 for t in r.tiers]
+        print_table(out, [Column("tier"), *(Column(n, right=True) for n in names)], cells)
         for b in r.corrupt:
             out.print(f"[red]corrupt[/red] {b.tier} {b.key}: {escape(b.problem)}", highlight=False)
         for a in r.affected:

@@ -29,15 +29,18 @@ buffer whose checksum fails never reaches a caller.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 import warnings
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
 import xxhash
 
 from agentstate.errors import CorruptDataError, SpecMismatchError
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"ASKV"
 FORMAT_VERSION = 2
@@ -50,14 +53,28 @@ _FIELDS = struct.Struct("<4sHBB16s5IQI")  # bytes 0..56
 _CHECKSUM = struct.Struct("<Q")  # bytes 56..64
 _FLAGS = struct.Struct("<I")  # bytes 52..56
 
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.float8_e4m3fn: 4,
-    torch.float8_e5m2: 5,
-}
-_CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+DTYPE_CODE_NAMES: dict[str, int] = {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "float8_e5m2": 5}
+"""The header's dtype codes, by dtype name: known without torch, so that reading a catalog (ls,
+inspect, stats) imports no torch; the torch dtypes are resolved on the first chunk encoded or read."""
+
+
+@functools.cache
+def _dtypes() -> tuple[dict[torch.dtype, int], dict[int, torch.dtype]]:
+    import torch
+
+    codes = {getattr(torch, name): code for name, code in DTYPE_CODE_NAMES.items()}
+    return codes, {code: dtype for dtype, code in codes.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> int | None:
+    """The header code of `dtype`, None for a dtype a chunk cannot hold."""
+    return _dtypes()[0].get(dtype)
+
+
+def code_dtype(code: int) -> torch.dtype | None:
+    """The dtype of a header code, None for an unknown code."""
+    return _dtypes()[1].get(code)
+
 
 # Backends hand out read-only views (LMDB's mmap); we only ever read through them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
@@ -103,8 +120,11 @@ def encode(
     Writes into `out` (exactly `encoded_size` bytes) or a fresh buffer. The single copy made here
     is also the gather that makes a strided slice layer-major.
     """
+    import torch
+
     bound = _key_bytes(key)
-    if kv.dtype not in DTYPE_CODES:
+    code = dtype_code(kv.dtype)
+    if code is None:
         raise CorruptDataError(f"dtype {kv.dtype} cannot be encoded")
     if kv.dim() != 5:
         raise CorruptDataError(f"canonical KV has 5 dims, got {kv.dim()}")
@@ -118,7 +138,7 @@ def encode(
         dest.copy_(kv)
     view = memoryview(out)
     _FIELDS.pack_into(
-        out, 0, MAGIC, FORMAT_VERSION, DTYPE_CODES[kv.dtype], LAYOUT_CANONICAL,
+        out, 0, MAGIC, FORMAT_VERSION, code, LAYOUT_CANONICAL,
         bytes.fromhex(fingerprint), *kv.shape, nbytes, FLAG_LOSSY if lossy else 0,
     )  # fmt: skip
     _CHECKSUM.pack_into(out, _FIELDS.size, _checksum(view, view[HEADER_SIZE:], bound))
@@ -141,11 +161,11 @@ def read_header(buf: Buffer) -> ChunkHeader:
         raise CorruptDataError(f"bad magic {magic!r}: not an agentstate chunk")
     if version != FORMAT_VERSION:
         raise CorruptDataError(f"unsupported chunk format version {version} (this build reads {FORMAT_VERSION})")
-    if layout != LAYOUT_CANONICAL or dcode not in _CODE_DTYPES:
+    dtype = code_dtype(dcode)
+    if layout != LAYOUT_CANONICAL or dtype is None:
         raise CorruptDataError(f"unknown layout {layout} or dtype code {dcode}")
     if flags & ~_KNOWN_FLAGS:
         raise CorruptDataError(f"unknown header flags {flags:#x}")
-    dtype = _CODE_DTYPES[dcode]
     numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
     if numel * dtype.itemsize != payload_len:
         raise CorruptDataError(f"payload length {payload_len} does not match shape {shape} of {dtype}")
@@ -170,6 +190,8 @@ def decode(
     `verify=False` skips only the checksum (and so the key binding), for bytes this process
     produced and kept in DRAM.
     """
+    import torch
+
     bound = _key_bytes(key)
     view = memoryview(buf)
     head = read_header(view)

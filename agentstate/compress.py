@@ -164,7 +164,7 @@ def quantize(value: memoryview) -> bytes | None:
         return None
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (kv / scale[:, :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    meta = _FP8_HEAD.pack(bytes.fromhex(head.fingerprint), codec.DTYPE_CODES[head.dtype], *head.shape)
+    meta = _FP8_HEAD.pack(bytes.fromhex(head.fingerprint), codec.dtype_code(head.dtype), *head.shape)
     return meta + scale.numpy().tobytes() + q.view(torch.uint8).numpy().tobytes()
 
 
@@ -175,7 +175,7 @@ def dequantize(stage: memoryview, key: str, original_len: int, out: memoryview) 
     if len(stage) < _FP8_HEAD.size:
         raise CorruptDataError("fp8 frame: stage shorter than its header")
     fp, dcode, *shape = _FP8_HEAD.unpack_from(stage, 0)
-    dtype = next((d for d, c in codec.DTYPE_CODES.items() if c == dcode), None)
+    dtype = codec.code_dtype(dcode)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise CorruptDataError(f"fp8 frame: dtype code {dcode} is not a float chunk")
     layers, planes, tokens, heads, dim = shape

@@ -3,11 +3,16 @@
 Several agents share one long system prompt; each has its own growing conversation. After every
 turn an agent is paused (its KV cache dropped, as an engine does when it needs the memory) and
 resumed at its next turn. Halfway through, the store is closed and reopened (a restart), so later
-turns are served from LMDB. The same token script runs twice:
+turns are served from LMDB. Every turn of the token script runs twice, back to back:
 
-- without agentstate: every turn prefills the agent's whole context again;
+- without agentstate: the turn prefills the agent's whole context again;
 - with agentstate: a new agent loads the shared system prompt's KV (stored once, by the first
   agent), a returning agent resumes its session; only the new tokens are prefilled.
+
+The two runs of a turn are interleaved (rather than one pass after the other) so that both see the
+same machine: on a busy one, a returning agent's small prefill is what slows down most (many short
+parallel regions, each waiting for a descheduled thread), and passes minutes apart saw different
+loads (speedups of 1.1x to 31x on one busy machine). The demo says how busy the machine was.
 
 Time to first token (TTFT) is from the turn's start to its first reply token; the hit rate is the
 share of the turn's prompt tokens whose KV came from the store. The model is a small Llama shape
@@ -22,6 +27,7 @@ its [spec] is not used (the demo's model has its own).
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import statistics
 import time
@@ -60,6 +66,15 @@ class DemoResult:
     stored_bytes: int = 0
     logical_bytes: int = 0
     png: Path | None = None
+    threads: int = 1
+    """torch threads both passes ran with (one per CPU idle when the demo started)"""
+    others_cpu: float | None = None
+    """share of the machine's CPU time other processes used while the demo ran (None: unknown)"""
+
+    @property
+    def speedups(self) -> list[float]:
+        """TTFT without / with agentstate, per agent turn (the two ran back to back)."""
+        return [b.ttft_s / o.ttft_s for b, o in zip(self.baseline, self.stored)]
 
     @property
     def replies_identical(self) -> bool:
@@ -101,35 +116,66 @@ def _script(agents: int, turns: int, system_tokens: int, user_tokens: int) -> tu
     return system, users
 
 
-def run_baseline(model: Any, system: list[int], users: list[list[list[int]]], progress: Progress) -> list[Turn]:
-    from transformers import DynamicCache
+class Recompute:
+    """The pass without agentstate: every turn prefills the agent's whole context again."""
 
-    task = progress.add_task("without agentstate: recompute every context", total=sum(map(len, users)))
-    history: list[list[int]] = [list(system) for _ in users]
-    out = []
-    for turn in range(len(users[0])):
-        for agent, msgs in enumerate(users):
-            prompt = history[agent] + msgs[turn]
-            t0 = time.perf_counter()
-            first, cache = _prefill(model, prompt, DynamicCache(config=model.config))
-            ttft = time.perf_counter() - t0
-            reply, _ = _decode(model, first, cache)
-            history[agent] = prompt + reply
-            out.append(Turn(agent, turn, len(prompt), 0, ttft, reply))
-            progress.advance(task)
-    return out
+    def __init__(self, model: Any, system: list[int], agents: int) -> None:
+        self.model = model
+        self.history = [list(system) for _ in range(agents)]
+
+    def turn(self, agent: int, turn: int, message: list[int]) -> Turn:
+        from transformers import DynamicCache
+
+        prompt = self.history[agent] + message
+        t0 = time.perf_counter()
+        first, cache = _prefill(self.model, prompt, DynamicCache(config=self.model.config))
+        ttft = time.perf_counter() - t0
+        reply, _ = _decode(self.model, first, cache)
+        self.history[agent] = prompt + reply
+        return Turn(agent, turn, len(prompt), 0, ttft, reply)
 
 
-async def run_stored(
+async def run_both(
     model: Any, config: StoreConfig, system: list[int], users: list[list[list[int]]], progress: Progress
-) -> tuple[list[Turn], int]:
+) -> tuple[list[Turn], list[Turn], int]:
+    """Both passes, interleaved turn by turn (which goes first alternates): each pair of turns sees
+    the same machine, so a busy spell slows both instead of skewing their ratio. Returns the turns
+    without and with agentstate, and the bytes LMDB holds at the end."""
     from agentstate.adapters import transformers as tf
 
     spec = tf.spec_for(model, model_id="demo/llama-random-8l")
-    task = progress.add_task("with agentstate: resume, prefill only what is new", total=sum(map(len, users)))
-    out: list[Turn] = []
+    task = progress.add_task("each turn without agentstate, then with it", total=2 * sum(map(len, users)))
+    baseline = Recompute(model, system, len(users))
+    plain: list[Turn] = []
+    ours: list[Turn] = []
     turns = len(users[0])
     pending: dict[int, int] = {}  # each agent's last reply token: sampled, not yet fed to the model
+
+    async def stored(store: StateStore, agent: int, turn: int, message: list[int]) -> Turn:
+        sid = f"agent-{agent}"
+        t0 = time.perf_counter()
+        try:
+            resumed = await tf.resume(store, sid, model)
+            cache, restored = resumed.cache, resumed.restored_tokens
+            cached = resumed.tokens[:restored]
+            new = resumed.tokens[restored:] + [pending[agent]] + message
+        except SessionNotFoundError:
+            prompt = system + message
+            prefix = await tf.load_prefix(store, prompt, model)
+            cache, restored = prefix.cache, prefix.tokens
+            if restored == 0:  # the first agent computes the system prompt, and stores it once
+                _, cache = _prefill(model, system, cache)
+                await tf.put_prefix(store, system, cache)
+            cached = prompt[:restored] if restored else system
+            new = prompt[len(cached) :]
+        first, cache = _prefill(model, new, cache)
+        ttft = time.perf_counter() - t0
+        reply, cache = _decode(model, first, cache)
+        fed = cached + new + reply[:-1]
+        pending[agent] = reply[-1]
+        await tf.snapshot(store, sid, fed, cache, state={"turn": turn})
+        return Turn(agent, turn, len(cached) + len(new), restored, ttft, reply)  # paused: its KV is in the store
+
     store = await StateStore.open(config, spec, writer="agentstate demo")  # records spec and config, so
     try:  # `agentstate ls -p DIR` and the other admin commands open it under the same tiers
         for turn in range(turns):
@@ -137,36 +183,61 @@ async def run_stored(
                 await store.close()  # a restart: the host tier is gone, LMDB serves what follows
                 store = await StateStore.open(config, spec, writer="agentstate demo")
             for agent, msgs in enumerate(users):
-                sid = f"agent-{agent}"
-                t0 = time.perf_counter()
-                try:
-                    resumed = await tf.resume(store, sid, model)
-                    cache, restored = resumed.cache, resumed.restored_tokens
-                    cached = resumed.tokens[:restored]
-                    new = resumed.tokens[restored:] + [pending[agent]] + msgs[turn]
-                except SessionNotFoundError:
-                    prompt = system + msgs[turn]
-                    prefix = await tf.load_prefix(store, prompt, model)
-                    cache, restored = prefix.cache, prefix.tokens
-                    if restored == 0:  # the first agent computes the system prompt, and stores it once
-                        _, cache = _prefill(model, system, cache)
-                        await tf.put_prefix(store, system, cache)
-                    cached = prompt[:restored] if restored else system
-                    new = prompt[len(cached) :]
-                prompt_tokens = len(cached) + len(new)
-                first, cache = _prefill(model, new, cache)
-                ttft = time.perf_counter() - t0
-                reply, cache = _decode(model, first, cache)
-                fed = cached + new + reply[:-1]
-                pending[agent] = reply[-1]
-                await tf.snapshot(store, sid, fed, cache, state={"turn": turn})
-                del cache  # paused: its KV lives in the store now
-                out.append(Turn(agent, turn, prompt_tokens, restored, ttft, reply))
-                progress.advance(task)
+                for first in ((0, 1) if (turn + agent) % 2 == 0 else (1, 0)):
+                    if first == 0:
+                        plain.append(baseline.turn(agent, turn, msgs[turn]))
+                    else:
+                        ours.append(await stored(store, agent, turn, msgs[turn]))
+                    progress.advance(task)
         stats = await store.stats()
     finally:
         await store.close()
-    return out, sum(t.bytes_used for t in stats.tiers if t.name == "lmdb")
+    return plain, ours, sum(t.bytes_used for t in stats.tiers if t.name == "lmdb")
+
+
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds the whole machine has been busy, this process's and its children's), or None
+    where /proc/stat is not there. Steal counts as busy: the hypervisor gave the time to others."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    t = os.times()
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return busy, t.user + t.system + t.children_user + t.children_system
+
+
+def _idle_cpus(seconds: float = 0.5) -> float | None:
+    """CPUs idle over the next `seconds` (from /proc/stat), None where it cannot be read."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        return sum(fields), fields[3] + fields[4]  # all, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError):
+        return None
+    return (os.cpu_count() or 1) * (idle1 - idle0) / max(1, total1 - total0)
+
+
+def _threads() -> int:
+    """torch's intra-op threads for the demo: one per idle CPU. A thread that shares its CPU with
+    another process stalls every parallel region of the forward pass; a returning agent's small
+    prefill is many short regions, and ran 2-6x slower and 10x more erratic with 2 threads on a
+    2-CPU machine where another process kept one CPU busy (docs/benchmarks.md)."""
+    idle = _idle_cpus()
+    return torch.get_num_threads() if idle is None else max(1, min(torch.get_num_threads(), int(idle + 0.5)))
+
+
+def _others_share(before: tuple[float, float] | None, wall_s: float) -> float | None:
+    after = _cpu_seconds()
+    if before is None or after is None or wall_s <= 0:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, others / (wall_s * (os.cpu_count() or 1)))
 
 
 def plot(result: DemoResult, path: Path) -> Path | None:
@@ -180,9 +251,9 @@ def plot(result: DemoResult, path: Path) -> Path | None:
     turns = sorted({t.turn for t in result.baseline})
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, rows in (("without agentstate (recompute)", result.baseline), ("with agentstate", result.stored)):
-        ax.plot([t + 1 for t in turns], [1e3 * statistics.mean(r.ttft_s for r in rows if r.turn == t) for t in turns],
+        ax.plot([t + 1 for t in turns], [1e3 * statistics.median(r.ttft_s for r in rows if r.turn == t) for t in turns],
                 marker="o", label=name)  # fmt: skip
-    ax.set_xlabel("turn (mean over agents)")
+    ax.set_xlabel("turn (median over agents)")
     ax.set_ylabel("time to first token, ms")
     ax.set_ylim(bottom=0)
     ax.set_xticks([t + 1 for t in turns])
@@ -205,9 +276,18 @@ def run_demo(
     model = build_model(layers)
     system, users = _script(agents, turns, system_tokens, user_tokens)
     result = DemoResult()
-    with Progress(console=console, transient=True) as progress:
-        result.baseline = run_baseline(model, system, users, progress)
-        result.stored, result.stored_bytes = asyncio.run(run_stored(model, config, system, users, progress))
+    threads = torch.get_num_threads()
+    result.threads = _threads()
+    torch.set_num_threads(result.threads)
+    before, t0 = _cpu_seconds(), time.perf_counter()
+    try:
+        with Progress(console=console, transient=True) as progress:
+            result.baseline, result.stored, result.stored_bytes = asyncio.run(
+                run_both(model, config, system, users, progress)
+            )
+    finally:
+        torch.set_num_threads(threads)
+    result.others_cpu = _others_share(before, time.perf_counter() - t0)
     token_bytes = 2 * model.config.num_hidden_layers * 2 * 64 * 4
     result.logical_bytes = (
         sum(t.prompt_tokens + REPLY_TOKENS - 1 for t in result.stored if t.turn == turns - 1) * token_bytes
@@ -217,35 +297,43 @@ def run_demo(
 
 
 def print_result(r: DemoResult, console: Console) -> None:
-    table = Table(title="agentstate demo: agents sharing a system prompt, paused and resumed every turn")
-    table.add_column("")
-    table.add_column("without agentstate", justify="right")
-    table.add_column("with agentstate", justify="right")
     base, ours = r.baseline, r.stored
 
-    def ms(rows: list[Turn], q: str) -> str:
-        values = [t.ttft_s * 1e3 for t in rows]
-        return f"{statistics.median(values):.0f} ms" if q == "p50" else f"{statistics.mean(values):.0f} ms"
+    def ms(rows: list[Turn]) -> str:
+        return f"{statistics.median(t.ttft_s for t in rows) * 1e3:.0f} ms"
 
     def hit(rows: list[Turn]) -> str:
         return f"{sum(t.restored_tokens for t in rows) / sum(t.prompt_tokens for t in rows):.0%}"
 
-    table.add_row("turns", str(len(base)), str(len(ours)))
-    table.add_row("TTFT, mean", ms(base, "mean"), ms(ours, "mean"))
-    table.add_row("TTFT, median", ms(base, "p50"), ms(ours, "p50"))
-    later = [t for t in ours if t.turn > 0]
-    table.add_row(
-        "TTFT, returning agents (mean)",
-        ms([t for t in base if t.turn > 0], "mean"),
-        ms(later, "mean") if later else "-",
-    )
-    table.add_row("prompt tokens served from the store", "0%", hit(ours))
-    speedup = statistics.mean(t.ttft_s for t in base) / statistics.mean(t.ttft_s for t in ours)
-    table.add_row("TTFT speedup", "1.0x", f"[bold]{speedup:.1f}x[/bold]")
-    table.add_row("KV stored in LMDB", "-", f"{r.stored_bytes / 1e6:.1f} MB (contexts: {r.logical_bytes / 1e6:.1f} MB)")
-    same = "[green]yes[/green]" if r.replies_identical else "[red]NO[/red]"
-    table.add_row("replies token-identical", "", same)
+    table = Table(title="agentstate demo: agents sharing a system prompt, paused and resumed every turn")
+    for name, right in (("turn", False), ("without agentstate", True), ("with agentstate", True),
+                        ("speedup", True), ("served from the store", True)):  # fmt: skip
+        table.add_column(name, justify="right" if right else "left")
+    for turn in sorted({t.turn for t in base}):
+        pairs = [(b, o) for b, o in zip(base, ours) if b.turn == turn]
+        b_rows, o_rows = [b for b, _ in pairs], [o for _, o in pairs]
+        ratio = statistics.median(b.ttft_s / o.ttft_s for b, o in pairs)
+        label = f"{turn + 1}" + (" (new agents)" if turn == 0 else "")
+        table.add_row(label, ms(b_rows), ms(o_rows), f"{ratio:.1f}x", hit(o_rows))
+    table.add_row("[bold]all[/bold]", ms(base), ms(ours), f"[bold]{statistics.median(r.speedups):.1f}x[/bold]", hit(ours))
     console.print(table)
+    console.print(
+        "TTFT per turn: the median over agents; speedup: the median of each agent turn's ratio (its two runs"
+        " ran back to back, so both saw the same machine)."
+    )
+    console.print(f"KV stored in LMDB: {r.stored_bytes / 1e6:.1f} MB (the contexts: {r.logical_bytes / 1e6:.1f} MB)")
+    same = "[green]yes[/green]" if r.replies_identical else "[red]NO[/red]"
+    console.print(f"replies token-identical with and without agentstate: {same}")
+    cpus = os.cpu_count() or 1
+    console.print(f"torch threads: {r.threads} (one per CPU idle at the start; {cpus} CPUs)")
+    if r.others_cpu is not None and r.others_cpu >= 0.2:
+        console.print(
+            f"[yellow]the machine was busy[/yellow]: other processes used {r.others_cpu:.0%} of its {cpus} CPUs"
+            " meanwhile. Small prefills (a returning agent's new tokens) slow down most under contention, so"
+            " times and speedups vary from run to run: run it again on a quiet machine for figures."
+        )
+    elif r.others_cpu is not None:
+        console.print(f"the machine was quiet: other processes used {r.others_cpu:.0%} of its {cpus} CPUs meanwhile")
     if r.png:
         console.print(f"plot: {r.png}")
 

@@ -12,9 +12,12 @@ import math
 import mmap
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -34,6 +37,8 @@ def host_buffer(nbytes: int) -> bytearray | mmap.mmap:
 
 def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """`torch.empty` on a huge-page host buffer (the tensor keeps the buffer alive)."""
+    import torch
+
     numel = 1
     for dim in shape:
         numel *= dim
@@ -44,6 +49,8 @@ def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def copy_bytes(view: memoryview) -> bytearray | mmap.mmap:
     """An owned copy of `view` in a fresh host buffer (copied by torch, which releases the GIL)."""
+    import torch
+
     out = host_buffer(len(view))
     if len(view):
         torch.frombuffer(out, dtype=torch.uint8).copy_(torch.frombuffer(view, dtype=torch.uint8))
@@ -68,6 +75,8 @@ class BufferPool:
         self.reused = 0
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
         numel = math.prod(shape)
         nbytes = numel * dtype.itemsize
         if nbytes < HUGE_PAGE or self.max_bytes <= 0:

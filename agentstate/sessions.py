@@ -14,9 +14,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from agentstate.catalog import Committed, named_keys
 from agentstate.errors import (
@@ -36,6 +34,9 @@ from agentstate.snapshots import check_snapshot, hold_retained, snapshot_manifes
 from agentstate.store_base import StoreScope
 from agentstate.target import KVTarget, TensorTarget
 from agentstate.usage import Usage
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("agentstate.sessions")
 _FORCE_RETRIES = 16

@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
 from pydantic import ValidationError
 
 import agentstate.manifest as manifests  # its clock read through the module: a test that sets it sets it here
@@ -26,6 +25,8 @@ from agentstate.keys import ChunkKey, chunk_keys, tail_key, token_array, validat
 from agentstate.manifest import SessionManifest
 
 if TYPE_CHECKING:
+    import torch
+
     from agentstate.chunks import ChunkStore
     from agentstate.config import StoreConfig
     from agentstate.spec import ModelSpec

@@ -9,9 +9,8 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-import torch
 from pydantic import BaseModel
 from typing_extensions import Self
 
@@ -29,6 +28,9 @@ from agentstate.spec import ModelSpec
 from agentstate.store_base import StoreScope
 from agentstate.target import KVTarget
 from agentstate.usage import UsageLog
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("agentstate.store")
 P = ParamSpec("P")

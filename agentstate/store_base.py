@@ -12,9 +12,7 @@ import copy
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-
-import torch
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from typing_extensions import Self
 
@@ -29,6 +27,9 @@ from agentstate.reserve import StandingReserve, local_dirs
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget, TensorTarget
 from agentstate.usage import UsageLog
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("agentstate.store")
 T = TypeVar("T")
@@ -142,6 +143,8 @@ class StoreScope:
 
     def target(self, into: object) -> KVTarget:
         """`into` as a KVTarget (a canonical tensor is wrapped); KVShapeError for anything else."""
+        import torch
+
         if isinstance(into, KVTarget):
             return into
         if not isinstance(into, torch.Tensor) or into.dim() != 5:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-
-import torch
+from typing import TYPE_CHECKING
 
 from agentstate.errors import KVShapeError
 from agentstate.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
 class KVTarget(ABC):
@@ -44,6 +46,8 @@ class KVTarget(ABC):
     _lock = threading.Lock()
 
     def _write_cuda(self, start: int, src: torch.Tensor) -> None:  # pragma: no cover - needs a GPU
+        import torch
+
         with self._lock:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=self.device)
@@ -128,6 +132,8 @@ class PagedTarget(KVTarget):
     """
 
     def __init__(self, pool: torch.Tensor, slots: torch.Tensor | list[int], spec: ModelSpec) -> None:
+        import torch
+
         if not isinstance(pool, torch.Tensor) or pool.dim() != 5:
             raise KVShapeError("pool must be a 5-dim tensor [layers, planes, num_slots, heads, dim]")
         spec.check_kv(pool, pool.shape[2])

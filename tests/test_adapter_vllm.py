@@ -342,7 +342,14 @@ def library(conn: dict[str, Any], data: Path, model: str) -> bool:
             with torch.no_grad():
                 ref = lm(torch.tensor([turn2]), use_cache=True).past_key_values
             ref_kv = hf.cache_to_kv(ref, spec)
-            assert torch.allclose(res.kv, ref_kv, atol=1e-4, rtol=1e-4)  # type: ignore[arg-type]
+            # Two engines' float32 kernels: equal to ~4e-5 on a quiet machine (bit-identical over six runs,
+            # quiet, beside a CPU hog, beside the core suite), but once, in a CI run beside a hog and a demo
+            # install, ~1e-3 in the last layer (values ~5; the layer-0 KV, which no context touches, equal).
+            # A misplaced block, token or head differs by whole units: the controls show the tolerance
+            # still tells those apart from the right KV.
+            assert torch.allclose(res.kv, ref_kv, atol=5e-3, rtol=5e-3)  # type: ignore[arg-type]
+            for wrong in (ref_kv.roll(1, dims=2), ref_kv.flip(3), ref_kv[:, [1, 0]]):  # a token off, heads, K/V
+                assert not torch.allclose(res.kv, wrong, atol=5e-3, rtol=5e-3)  # type: ignore[arg-type]
             # resume in transformers and continue: identical to transformers' own prefill
             fork = await store.fork("agent-1", "agent-1-fork")  # forked and deleted like any session
             assert fork.tokens == turn2 and fork.parent == "agent-1"

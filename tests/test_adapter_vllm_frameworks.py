@@ -57,6 +57,8 @@ from agentstate.adapters.openai_channel import async_http_client, http_client  #
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from ports import address_in_use, free_port  # noqa: E402
+from readme_blocks import NEEDS_SERVER  # noqa: E402
+from readme_blocks import PYTHON as README_PYTHON  # noqa: E402
 from vllm_engine import make_model, stop_server  # noqa: E402
 
 set_tracing_disabled(True)
@@ -276,6 +278,12 @@ def test_a_langgraph_agent_keeps_its_thread_and_kv_in_one_session_across_a_resta
         for example, session in (("langgraph_agent.py", "--thread"), ("openai_agents_agent.py", "--session")):
             shown = _example(server, example, session)  # the README's examples run as written
             assert shown.count("cached]") == 2, shown
+        for code in (b for b in README_PYTHON if NEEDS_SERVER in b):  # and the README's framework blocks
+            env = {**os.environ, "VLLM_URL": server.url + "/v1", "AGENTSTATE_URL": server.api,
+                   "AGENTSTATE_TOKEN": TOKEN, "MODEL": "tiny"}  # fmt: skip
+            done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp, capture_output=True, text=True,
+                                  timeout=300, check=False)  # fmt: skip
+            assert done.returncode == 0, f"{code}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     finally:
         server.stop()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -115,6 +116,47 @@ async def test_ls_that_finds_none_says_which_tenants_have_sessions(tmp_path: Pat
     assert ok_json("ls", "-p", tmp_path / "d") == []  # --json stays the rows
 
 
+LONG_IDS = [f"customer-support-agent-{i}-2026-12-05T13:00:00Z-{'abcdef' * 4}" for i in range(3)]
+
+
+@pytest.mark.parametrize("width", [80, 200])
+async def test_tables_never_cut_an_id_or_a_number(tmp_path: Path, width: int) -> None:
+    """At 80 and 200 columns, every session id, chunk key, token count and size the --json report
+    has appears whole in the table (no `…`); what does not fit is dropped whole, and said so."""
+    data = tmp_path / "d"
+    async with StateStore.open(data, SPEC4, chunk_tokens=CHUNK) as store:
+        for i, sid in enumerate(LONG_IDS):
+            await store.snapshot(sid, *session(i), {"i": i})
+    record_spec(data, SPEC4)
+    env = {"COLUMNS": str(width)}
+    ls = cli("ls", "-p", data, env=env)
+    assert ls.returncode == 0 and "…" not in ls.stdout, ls.stdout
+    rows = ok_json("ls", "-p", data)
+    if width == 200:  # a table with every column, each row on one line
+        table = [line for line in ls.stdout.splitlines() if line[:1] in "┏┃┡│└"]
+        assert max(len(line) for line in table) <= width and "guaranteed" in ls.stdout, ls.stdout
+        for row in rows:
+            line = next((line for line in table if row["session_id"] in line), "")
+            assert str(row["tokens"]) in line.split() and row["session_id"] in line.split(), ls.stdout
+    else:  # id and tokens alone are wider than 80 columns: one block per session
+        for row in rows:
+            block = next((b for b in ls.stdout.split("\n\n") if b.startswith(f"session {row['session_id']}\n")), "")
+            assert re.search(rf"^ +tokens +{row['tokens']}$", block, re.M), ls.stdout
+            assert re.search(rf"^ +chunks +{row['chunks']}$", block, re.M), ls.stdout
+    narrow = cli("ls", "-p", data, env={"COLUMNS": "110"})  # a table without the least useful columns
+    assert "not shown" in narrow.stdout and all(sid in narrow.stdout for sid in LONG_IDS), narrow.stdout
+    assert max(len(line) for line in narrow.stdout.splitlines() if line[:1] in "┏┃┡│└") <= 110
+    for sid in LONG_IDS[:2]:
+        shown = cli("inspect", sid, "-p", data, env=env)
+        detail = ok_json("inspect", sid, "-p", data)
+        assert shown.returncode == 0 and "…" not in shown.stdout, shown.stdout
+        lines = shown.stdout.splitlines()
+        keys = [c["key"] for c in detail["chunks"]]
+        assert len(set(keys)) == len(keys) and all(any(k in line for line in lines) for k in keys), shown.stdout
+        full = len(detail["chunks"]) - 1
+        assert f"{full} chunks of {CHUNK}, tail {detail['tail_tokens']}" in " ".join(shown.stdout.split())
+
+
 def test_serve_on_a_port_in_use_says_so_and_leaves_nothing(tmp_path: Path) -> None:
     import socket
 
@@ -130,6 +172,16 @@ def test_serve_on_a_port_in_use_says_so_and_leaves_nothing(tmp_path: Path) -> No
     assert done.returncode == 1 and f"port {port} on 127.0.0.1 is in use" in shown and "--port" in shown, done.stderr
     assert "serving" not in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "new").exists()  # nothing written: the port is bound before the store opens
+
+
+def test_serve_without_its_tokens_file_says_what_to_give(tmp_path: Path) -> None:
+    (tmp_path / "spec.json").write_text(SPEC4.model_dump_json())
+    done = cli("serve", "-p", tmp_path / "new", "--spec", tmp_path / "spec.json", "--tokens-file",
+               tmp_path / "missing.json", "--port", str(_free_port()))  # fmt: skip
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) <= 2, done.stderr  # a long path wraps
+    shown = " ".join(done.stderr.split())
+    assert "no tokens file" in shown and "--tokens-file" in shown and "Traceback" not in done.stderr
+    assert not (tmp_path / "new").exists()
 
 
 def test_version_is_a_flag_and_a_command() -> None:

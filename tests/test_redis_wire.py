@@ -189,7 +189,11 @@ async def test_a_server_killed_or_hung_mid_read_is_a_counted_miss_within_the_tim
     try:
         values = [os.urandom(1 << 20) for _ in range(24)]
         keys = [f"c/{i}" for i in range(24)]
-        await b.put(keys, values)
+        writer = RedisBackend(server.url, timeout_s=60)  # 24 MiB written on a busy machine: not what is timed here
+        try:
+            await writer.put(keys, values)
+        finally:
+            await writer.close()
         assert server.proc is not None
         os.kill(server.proc.pid, signal.SIGSTOP)  # hung: the call gives up at its timeout
         bufs = [guarded(1 << 20) for _ in keys]

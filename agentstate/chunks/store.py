@@ -24,8 +24,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from agentstate.backends.base import Backend, BackendStats, ReadSink, io_pool
@@ -33,16 +33,19 @@ from agentstate.chunks.eviction import make_policy
 from agentstate.chunks.holds import Hold, Holds
 from agentstate.chunks.index import ChunkIndex
 from agentstate.chunks.io import Batch, IOEngine, batches
-from agentstate.datadir.lock import DataDirLock
 from agentstate.chunks.prefetch import PrefetchHandle
 from agentstate.chunks.registry import build_backend
 from agentstate.chunks.tiers import Tier, TierManager, Value
 from agentstate.chunks.transfer import Span, Transfer
 from agentstate.config import StoreConfig, TierConfig
+from agentstate.datadir.lock import DataDirLock
 from agentstate.errors import InvalidArgumentError
 from agentstate.memory import BufferPool
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("agentstate.chunks")
 RefCounts = Callable[[list[str]], Awaitable[list[int]]]

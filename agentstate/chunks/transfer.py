@@ -14,8 +14,7 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-
-import torch
+from typing import TYPE_CHECKING
 
 from agentstate import codec
 from agentstate.chunks.io import IOEngine, batches
@@ -24,6 +23,9 @@ from agentstate.errors import AgentStateError, InvalidArgumentError
 from agentstate.memory import copy_bytes, host_buffer
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("agentstate.chunks.transfer")
 Span = tuple[int, int]  # (first token, number of tokens)

@@ -7,12 +7,13 @@ so they read as misses and the next snapshot of each session rewrites them.
 
 from __future__ import annotations
 
+import torch  # noqa: F401  every header names a torch dtype: without torch, say so before any work
 from pydantic import BaseModel
 
 from agentstate import codec
 from agentstate.chunks import batches
-from agentstate.errors import AgentStateError, CorruptDataError
 from agentstate.edges import key_spaces
+from agentstate.errors import AgentStateError, CorruptDataError
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX
 from agentstate.ops.admin import QUIET, Progress, session_keys, stored_size
 from agentstate.spec import ModelSpec

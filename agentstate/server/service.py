@@ -435,7 +435,7 @@ def load_tokens(tokens_file: Path | None) -> dict[str, str]:
         try:
             raw = Path(tokens_file).read_text(encoding="utf-8")
         except FileNotFoundError:
-            raise NotFoundError(f"no tokens file {tokens_file}") from None
+            raise NotFoundError(f"no tokens file {tokens_file} (--tokens-file takes JSON: {{token: tenant}})") from None
         except (OSError, UnicodeDecodeError) as exc:
             raise InvalidArgumentError(f"cannot read tokens file {tokens_file}: {exc}") from None
     elif os.environ.get("AGENTSTATE_TOKENS"):
