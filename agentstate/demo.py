@@ -329,8 +329,8 @@ def print_result(r: DemoResult, console: Console) -> None:
     if r.others_cpu is not None and r.others_cpu >= 0.2:
         console.print(
             f"[yellow]the machine was busy[/yellow]: other processes used {r.others_cpu:.0%} of its {cpus} CPUs"
-            " meanwhile. Small prefills (a returning agent's new tokens) slow down most under contention, so"
-            " times and speedups vary from run to run: run it again on a quiet machine for figures."
+            " meanwhile; both runs of each turn saw the same load, but every time above is slower than on a quiet"
+            " machine, and a load that changed during the run moves the per-turn figures."
         )
     elif r.others_cpu is not None:
         console.print(f"the machine was quiet: other processes used {r.others_cpu:.0%} of its {cpus} CPUs meanwhile")

@@ -1,4 +1,4 @@
-"""vLLM connector benchmark (not a test): `.venv-vllm/bin/python benchmarks/bench_vllm.py [--quick]`.
+"""vLLM connector benchmark (not a test): `.venv-vllm/bin/python benchmarks/bench_vllm.py [--quick] [--blocks-only]`.
 
 Part 1, the engine (tiny random-weight Llama, float32, CPU): agents return with 1k-8k tokens of
 context. Round 0 computes and stores each context; round 1 (after `reset_prefix_cache()`) sends it
@@ -184,6 +184,10 @@ def part2(tmp: Path, blocks: int) -> list[str]:
 
 def main() -> None:
     quick = "--quick" in sys.argv
+    if "--blocks-only" in sys.argv:  # part 2 alone (no engine): printed, for the per-block table in place
+        with tempfile.TemporaryDirectory() as d:
+            print("\n".join(part2(Path(d), 4 if quick else 16)))
+        return
     sizes = [1024, 2048] if quick else [1024, 2048, 4096, 8192]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
