@@ -10,3 +10,5 @@ PYTHON: list[str] = re.findall(r"^```python\n(.*?)^```", README, re.DOTALL | re.
 SHELL: list[str] = re.findall(r"^```bash\n(.*?)^```", README, re.DOTALL | re.MULTILINE)
 NEEDS_SERVER = "AGENTSTATE_URL"
 """What the blocks that talk to a vLLM server with the connector's session API read their address from."""
+NEEDS_SERVICE = "AGENTSTATE_SERVICE_URL"
+"""What the SDK block reads the address of `agentstate serve` from."""
