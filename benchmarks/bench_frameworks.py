@@ -82,13 +82,13 @@ def start_server(
         cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "AgentStateConnector", "kv_role": "kv_both",
                 "kv_connector_module_path": "agentstate.adapters.vllm", "kv_connector_extra_config": extra})]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": str(tmp), "VLLM_CACHE_ROOT": str(tmp / "cache")}
-    log = open(tmp / f"{mode}.log", "w")  # noqa: SIM115 - the server's lifetime
+    log = open(tmp / f"{data.name}.log", "w")  # noqa: SIM115 - the server's lifetime
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url, api_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{api}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server {mode} exited:\n{(tmp / f'{mode}.log').read_text()[-3000:]}")
+            raise RuntimeError(f"server {mode} exited:\n{(tmp / f'{data.name}.log').read_text()[-3000:]}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200 and (
                 mode == "none" or httpx.get(api_url + "/healthz", timeout=2).status_code == 200
@@ -189,10 +189,15 @@ NOTES = [
     "  then the load or the recompute of its context, then its new tokens. Without the connector, every context",
     "  vLLM's pool no longer holds is computed again, and the requests queue behind those prefills: the ratio is",
     "  the recompute's cost and the queue it builds, measured together, as an agent fleet sees it.",
-    "- Hints gain nothing here: the tier below host memory is LMDB read from the page cache (written moments",
+    "- Hints gain nothing over LMDB: the tier below host memory is read from the page cache (written moments",
     "  before, nothing drops it), so a host-tier miss costs milliseconds, while the p99 turns wait seconds behind",
-    "  other agents' first-turn prefills, which no hint shortens. What hints buy needs a slow tier below (a disk",
-    "  really read, a remote store): not measured here.",
+    "  other agents' first-turn prefills, which no hint shortens.",
+    "- Over the paced remote tier, hints moved reads from the remote tier to host memory (2026-12-05: 469 MB read",
+    "  from host and 464 MB from Redis with hints, 57 MB and 906 MB without) and loads took 14.4 s in all instead",
+    "  of 16.7 s, but TTFT did not follow (p50 0.63x, p99 0.96x, one run each). Suspected, not yet measured: the hints' own work, bringing a session up from",
+    "  the remote tier when its tool returns, runs in vLLM's worker process (where the connector serves the session",
+    "  API) beside the forward passes, on 2 cores, and one tenant's holds may fill only half of a host tier that",
+    "  is a quarter of the working set. The p99 goal (1.5x) is not met here.",
 ]
 
 
@@ -202,7 +207,7 @@ def remote_notes(mbps: float, latency_ms: float) -> list[str]:
         "  with no disk of its own), Redis on loopback behind `benchmarks/paced_proxy.py`, each direction paced",
         f"  to {mbps:g} Mb/s with {latency_ms:g} ms one way. An 8k-token context here (48 MiB) then takes",
         f"  {48 * 2**20 * 8 / (mbps * 1e6):.2f} s to fetch; Llama-3.1-8B's 1 GiB for 8k tokens takes about as long over",
-        "  25 Gb/s. A host-tier miss is then worth a hint.",
+        "  25 Gb/s: a host-tier miss costs what a hint is meant to save.",
     ]
 
 
@@ -245,6 +250,7 @@ def main() -> None:
         redis = proxy = None
         remote = None
         if mbps is not None:  # a fresh Redis behind a link paced to `mbps` each way
+            (tmp / f"redis-{mode}").mkdir()
             redis = RedisServer(tmp / f"redis-{mode}").start()
             link = free_port()
             proxy = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "paced_proxy.py"), str(link),
@@ -293,8 +299,8 @@ def main() -> None:
         *([f"- Remote: p99 without hints / with hints {by['agentstate, remote'][3] / by['hints, remote'][3]:.2f}x, p50"
            f" {by['agentstate, remote'][2] / by['hints, remote'][2]:.2f}x; 4k+ p99"
            f" {by['agentstate, remote'][6] / by['hints, remote'][6]:.2f}x."] if args.remote_mbps else []),
-        *NOTES,
         *(remote_notes(args.remote_mbps, args.remote_latency_ms) if args.remote_mbps else []),
+        *NOTES,
         "",
         f"Command: `.venv-vllm/bin/python benchmarks/bench_frameworks.py` — "
         f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
