@@ -143,20 +143,36 @@ class UsageLog:
             self._task = None
 
     async def flush(self) -> None:
-        """Add everything pending to the catalog in one call; on failure it stays pending."""
+        """Add everything pending to the catalog in one call; on failure it stays pending.
+
+        The write is shielded from cancellation (close cancels the flush task; so does a shutdown):
+        a cancel while it is in flight waits for its outcome, because the catalog may commit it all
+        the same (a thread inside an LMDB transaction, a Redis pipeline already sent), and counts
+        put back after a write that committed would be added twice."""
         async with self._lock:
             deltas, hits = self._deltas, self._hits
             if not deltas and not hits:
                 return
             self._deltas, self._hits = {}, {}
+            write = asyncio.ensure_future(self._catalog.add_usage(deltas, hits))
             try:
-                await self._catalog.add_usage(deltas, hits)
-            except BaseException:
-                for key, counts in deltas.items():
-                    self._deltas.setdefault(key, Counter()).update(counts)
-                for key, at in hits.items():
-                    self._hits[key] = max(at, self._hits.get(key, 0.0))
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait({write})
+                if not write.done() or write.cancelled() or write.exception() is not None:
+                    self._restore(deltas, hits)
                 raise
+            except BaseException:
+                self._restore(deltas, hits)
+                raise
+
+    def _restore(self, deltas: dict[UsageKey, Counter[str]], hits: dict[UsageKey, float]) -> None:
+        """Counts whose write did not commit: pending again, for the next flush."""
+        for key, counts in deltas.items():
+            self._deltas.setdefault(key, Counter()).update(counts)
+        for key, at in hits.items():
+            self._hits[key] = max(at, self._hits.get(key, 0.0))
 
     async def close(self) -> None:
         self._closed = True

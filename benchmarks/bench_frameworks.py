@@ -62,7 +62,8 @@ def words(rng: random.Random, n: int) -> str:
 
 
 def start_server(
-    tmp: Path, model: str, mode: str, data: Path, host_bytes: int, pool_blocks: int, remote: str | None = None
+    tmp: Path, model: str, mode: str, data: Path, host_bytes: int, pool_blocks: int, remote: str | None = None,
+    store: dict[str, Any] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str, str]:
     """vLLM's OpenAI server; with the connector unless `mode` is none: a host tier over LMDB, or over
     the Redis at `remote` (the record tier then: an engine host with no disk of its own)."""
@@ -78,7 +79,7 @@ def start_server(
             lower = {"kind": "redis", "url": remote, "timeout_s": 60.0}
         extra = {"path": str(data), "serve_port": api, "serve_tokens_file": str(tmp / "tokens.json"),
                  "tiers": [{"kind": "host", "capacity_bytes": host_bytes}, lower],
-                 **({"record_tier": "redis"} if remote else {})}  # fmt: skip
+                 **({"record_tier": "redis"} if remote else {}), **(store or {})}  # fmt: skip
         cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "AgentStateConnector", "kv_role": "kv_both",
                 "kv_connector_module_path": "agentstate.adapters.vllm", "kv_connector_extra_config": extra})]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": str(tmp), "VLLM_CACHE_ROOT": str(tmp / "cache")}
@@ -226,6 +227,10 @@ def main() -> None:
                     help="also run the connector over a Redis tier (no LMDB) behind a link paced to this many megabits"
                     " per second each way (0: not)")  # fmt: skip
     ap.add_argument("--remote-latency-ms", type=float, default=0.25, help="the paced link's one-way latency")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="run only these (none, agentstate, hints, 'agentstate, remote', 'hints, remote'); implies --no-write")
+    ap.add_argument("--hint-share", type=float, default=None,
+                    help="hint_tenant_share of the connector's store (default: the store's, 0.5)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -246,6 +251,8 @@ def main() -> None:
         runs += [(mode, args.remote_mbps) for mode in MODES[1:]]
     for mode, mbps in runs:
         name = mode if mbps is None else f"{mode}, remote"
+        if args.only is not None and name not in args.only:
+            continue
         print(f"[{time.strftime('%H:%M:%S')}] {name}: starting the server", flush=True)
         redis = proxy = None
         remote = None
@@ -257,7 +264,8 @@ def main() -> None:
                                       str(redis.port), "--mbps", str(mbps), "--latency-ms", str(args.remote_latency_ms)])  # fmt: skip
             remote = f"redis://127.0.0.1:{link}/0"
         data = tmp / f"data-{mode}{'-remote' if mbps else ''}"
-        proc, url, api = start_server(tmp, model, mode, data, host, pool_blocks, remote)
+        store = {"hint_tenant_share": args.hint_share} if args.hint_share is not None else None
+        proc, url, api = start_server(tmp, model, mode, data, host, pool_blocks, remote, store)
         try:
             t0 = time.perf_counter()
             results[name] = asyncio.run(run_mode(mode, url, api, plans))
@@ -275,6 +283,10 @@ def main() -> None:
         every = [t for _, t in found]
         big = [t for c, t in found if c >= 4096]
         rows.append((mode, len(every), pct(every, 0.5), pct(every, 0.99), len(big), pct(big, 0.5), pct(big, 0.99)))
+    if args.only is not None:  # a partial run: its rows only
+        for r in rows:
+            print(r)
+        return
     by = {r[0]: r for r in rows}
     lines = [
         BEGIN,
