@@ -199,6 +199,9 @@ NOTES = [
     "  the remote tier when its tool returns, runs in vLLM's worker process (where the connector serves the session",
     "  API) beside the forward passes, on 2 cores, and one tenant's holds may fill only half of a host tier that",
     "  is a quarter of the working set. The p99 goal (1.5x) is not met here.",
+    "- Rerun of the remote pair alone with one tenant's holds allowed the whole host tier",
+    "  (`--only 'agentstate, remote' 'hints, remote' --hint-share 1.0`): p50 860 -> 773 ms (hints 1.11x better),",
+    "  p99 9.07 -> 9.04 s (1.00x): the p99 turns are the queue behind other agents' first-turn prefills.",
 ]
 
 
