@@ -105,8 +105,12 @@ class Chat(TypedDict):
     messages: Annotated[list[Any], operator.add]
 
 
-async def run_mode(mode: str, url: str, api: str, plans: list[dict[str, Any]]) -> list[tuple[int, float]]:
-    """Every agent's turns, concurrently; (context tokens, TTFT s) of each returning turn."""
+async def run_mode(
+    mode: str, url: str, api: str, plans: list[dict[str, Any]], steady: bool = False
+) -> list[tuple[int, float]]:
+    """Every agent's turns, concurrently; (context tokens, TTFT s) of each returning turn. `steady`:
+    no agent's tool starts before every agent has had its first turn, so that no returning turn
+    queues behind a newcomer's first prefill (a fleet of long-running agents, measured apart)."""
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
@@ -121,6 +125,7 @@ async def run_mode(mode: str, url: str, api: str, plans: list[dict[str, Any]]) -
     llm = ChatOpenAI(model="m", base_url=url + "/v1", api_key="x", max_tokens=1, temperature=0, max_retries=0,
                      timeout=600, http_async_client=async_http_client())  # fmt: skip
     out: list[tuple[int, float]] = []
+    everyone = asyncio.Barrier(len(plans))
 
     async def agent(plan: dict[str, Any]) -> None:
         pauses = list(plan["pauses"])  # this mode's copies: every mode replays the same plan
@@ -139,6 +144,8 @@ async def run_mode(mode: str, url: str, api: str, plans: list[dict[str, Any]]) -
             prompt = reply.response_metadata["token_usage"]["prompt_tokens"]
             if len([m for m in state["messages"] if isinstance(m, AIMessage)]):
                 out.append((prompt, took))  # a returning turn: after a tool call
+            elif steady:
+                await everyone.wait()
             calls = [{"name": "work", "args": {"step": "x"}, "id": f"c{time.monotonic_ns()}"}] if pauses else []
             if pauses:  # what the framework expects of the coming tool call (its paused hint says it)
                 work.metadata = {"expected_s": pauses[0][1]}
@@ -202,6 +209,11 @@ NOTES = [
     "- Rerun of the remote pair alone with one tenant's holds allowed the whole host tier",
     "  (`--only 'agentstate, remote' 'hints, remote' --hint-share 1.0`): p50 860 -> 773 ms (hints 1.11x better),",
     "  p99 9.07 -> 9.04 s (1.00x): the p99 turns are the queue behind other agents' first-turn prefills.",
+    '- Steady state (`--steady --hint-share 1.0`: no tool starts before every agent has had its first turn, so no',
+    "  returning turn queues behind a newcomer's prefill), 2026-12-05, TTFT p50 / p99 ms: agentstate 218 / 719,",
+    '  hints 158 / 757; over the remote tier 364 / 2079 and 308 / 2095. Hints are 1.38x (LMDB) and 1.18x (remote)',
+    '  better at p50, 0.95x and 0.99x at p99: the slowest returning turns most likely queue behind each other on the engine',
+    '  (2 cores; not broken down yet), which no hint shortens either.',
 ]
 
 
@@ -234,6 +246,8 @@ def main() -> None:
                     help="run only these (none, agentstate, hints, 'agentstate, remote', 'hints, remote'); implies --no-write")
     ap.add_argument("--hint-share", type=float, default=None,
                     help="hint_tenant_share of the connector's store (default: the store's, 0.5)")
+    ap.add_argument("--steady", action="store_true",
+                    help="measure returning turns only once every agent has had its first turn (see run_mode)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -271,7 +285,7 @@ def main() -> None:
         proc, url, api = start_server(tmp, model, mode, data, host, pool_blocks, remote, store)
         try:
             t0 = time.perf_counter()
-            results[name] = asyncio.run(run_mode(mode, url, api, plans))
+            results[name] = asyncio.run(run_mode(mode, url, api, plans, steady=args.steady))
             print(f"[{time.strftime('%H:%M:%S')}] {name}: {len(results[name])} returning turns in "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
         finally:
