@@ -195,12 +195,20 @@ async def run_both(
     return plain, ours, sum(t.bytes_used for t in stats.tiers if t.name == "lmdb")
 
 
+def _proc_stat() -> list[int] | None:
+    """The machine's CPU time so far, in clock ticks: user, nice, system, idle, iowait, irq, softirq,
+    steal (/proc/stat's first line); None where it cannot be read."""
+    try:
+        return [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
 def _cpu_seconds() -> tuple[float, float] | None:
     """(CPU seconds the whole machine has been busy, this process's and its children's), or None
     where /proc/stat is not there. Steal counts as busy: the hypervisor gave the time to others."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
+    fields = _proc_stat()
+    if fields is None:
         return None
     user, nice, system, _idle, _iowait, irq, softirq, steal = fields
     t = os.times()
@@ -209,25 +217,22 @@ def _cpu_seconds() -> tuple[float, float] | None:
 
 
 def _idle_cpus(seconds: float = 0.5) -> float | None:
-    """CPUs idle over the next `seconds` (from /proc/stat), None where it cannot be read."""
-    def sample() -> tuple[int, int]:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        return sum(fields), fields[3] + fields[4]  # all, idle + iowait
-
-    try:
-        total0, idle0 = sample()
-        time.sleep(seconds)
-        total1, idle1 = sample()
-    except (OSError, ValueError):
+    """CPUs idle (or waiting on IO) over the next `seconds`, None where /proc/stat cannot be read."""
+    before = _proc_stat()
+    time.sleep(seconds)
+    after = _proc_stat()
+    if before is None or after is None:
         return None
-    return (os.cpu_count() or 1) * (idle1 - idle0) / max(1, total1 - total0)
+    total = sum(after) - sum(before)
+    idle = after[3] + after[4] - before[3] - before[4]
+    return (os.cpu_count() or 1) * idle / max(1, total)
 
 
 def _threads() -> int:
     """torch's intra-op threads for the demo: one per idle CPU. A thread that shares its CPU with
     another process stalls every parallel region of the forward pass; a returning agent's small
-    prefill is many short regions, and ran 2-6x slower and 10x more erratic with 2 threads on a
-    2-CPU machine where another process kept one CPU busy (docs/benchmarks.md)."""
+    prefill is many short regions, and ran 2.5-3x slower at the median (6x at worst) with 2 threads
+    on a 2-CPU machine where another process kept one CPU busy (docs/benchmarks.md)."""
     idle = _idle_cpus()
     return torch.get_num_threads() if idle is None else max(1, min(torch.get_num_threads(), int(idle + 0.5)))
 
