@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import xxhash
 
 from agentstate.errors import CorruptDataError, SpecMismatchError
+from agentstate.spec import ITEMSIZE
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +65,9 @@ def _dtypes() -> tuple[dict[torch.dtype, int], dict[int, torch.dtype]]:
 
     codes = {getattr(torch, name): code for name, code in DTYPE_CODE_NAMES.items()}
     return codes, {code: dtype for dtype, code in codes.items()}
+
+
+_CODE_NAMES = {code: name for name, code in DTYPE_CODE_NAMES.items()}
 
 
 def dtype_code(dtype: torch.dtype) -> int | None:
@@ -150,9 +154,9 @@ def is_lossy(buf: Buffer) -> bool:
     return len(buf) >= HEADER_SIZE and bool(_FLAGS.unpack_from(buf, 52)[0] & FLAG_LOSSY)
 
 
-def read_header(buf: Buffer) -> ChunkHeader:
-    """Parse and check the header fields that need no expectations (magic, version, length)."""
-    view = memoryview(buf)
+def _fields(view: memoryview) -> tuple[str, str, tuple[int, ...], int, int, bool]:
+    """Parse and check the header fields that need no expectations (magic, version, length), with
+    no torch: (fingerprint, dtype name, shape, payload length, checksum, lossy)."""
     if len(view) < HEADER_SIZE:
         raise CorruptDataError(f"chunk truncated: {len(view)} bytes is shorter than the {HEADER_SIZE}-byte header")
     magic, version, dcode, layout, fp, *rest = _FIELDS.unpack_from(view, 0)
@@ -161,18 +165,45 @@ def read_header(buf: Buffer) -> ChunkHeader:
         raise CorruptDataError(f"bad magic {magic!r}: not an agentstate chunk")
     if version != FORMAT_VERSION:
         raise CorruptDataError(f"unsupported chunk format version {version} (this build reads {FORMAT_VERSION})")
-    dtype = code_dtype(dcode)
-    if layout != LAYOUT_CANONICAL or dtype is None:
+    name = _CODE_NAMES.get(dcode)
+    if layout != LAYOUT_CANONICAL or name is None:
         raise CorruptDataError(f"unknown layout {layout} or dtype code {dcode}")
     if flags & ~_KNOWN_FLAGS:
         raise CorruptDataError(f"unknown header flags {flags:#x}")
     numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
-    if numel * dtype.itemsize != payload_len:
-        raise CorruptDataError(f"payload length {payload_len} does not match shape {shape} of {dtype}")
+    if numel * ITEMSIZE[name] != payload_len:
+        raise CorruptDataError(f"payload length {payload_len} does not match shape {shape} of {name}")
     if len(view) != HEADER_SIZE + payload_len:
         raise CorruptDataError(f"chunk is {len(view)} bytes, header says {HEADER_SIZE + payload_len}")
     (checksum,) = _CHECKSUM.unpack_from(view, _FIELDS.size)
-    return ChunkHeader(fp.hex(), dtype, shape, payload_len, checksum, bool(flags & FLAG_LOSSY))
+    return fp.hex(), name, shape, payload_len, checksum, bool(flags & FLAG_LOSSY)
+
+
+def read_header(buf: Buffer) -> ChunkHeader:
+    """Parse and check the header fields that need no expectations (magic, version, length)."""
+    fp, name, shape, payload_len, checksum, lossy = _fields(memoryview(buf))
+    dtype = code_dtype(DTYPE_CODE_NAMES[name])
+    assert dtype is not None  # every name of DTYPE_CODE_NAMES is a torch dtype
+    return ChunkHeader(fp, dtype, shape, payload_len, checksum, lossy)
+
+
+def check(
+    buf: Buffer, *, key: str, fingerprint: str, dtype: str, shape: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
+    """Everything `decode` checks, `dtype` by name, without building a tensor (so without torch):
+    the chunk's shape, or the typed error `decode` would raise. For `agentstate verify`."""
+    bound = _key_bytes(key)
+    view = memoryview(buf)
+    fp, name, got, _, checksum, _ = _fields(view)
+    if fp != fingerprint:
+        raise SpecMismatchError(f"chunk belongs to spec {fp}, not {fingerprint}")
+    if name != dtype:
+        raise CorruptDataError(f"chunk dtype {name} is not the expected {dtype}")
+    if shape is not None and got != tuple(shape):
+        raise CorruptDataError(f"chunk shape {got} is not the expected {tuple(shape)}")
+    if _checksum(view, view[HEADER_SIZE:], bound) != checksum:
+        raise CorruptDataError("chunk checksum mismatch (damaged, or stored under another key: not this key's value)")
+    return got
 
 
 def decode(

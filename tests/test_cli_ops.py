@@ -83,13 +83,14 @@ def test_help_and_version_import_no_torch() -> None:
     assert "8470" in drive("serve", "--help")[1]  # the default port, named in the help
 
 
-def test_local_ls_inspect_stats_need_no_torch(data: Path) -> None:
-    """Reading a local directory's catalog and chunk headers is all ls, inspect and stats do: they
-    run with torch unimportable (it is most of a command's start-up: ~3 s of the ~3.5 s they took)."""
-    for args in (["ls"], ["inspect", "agent-1"], ["stats"], ["ls", "--json"]):
+def test_local_ls_inspect_stats_verify_need_no_torch(data: Path) -> None:
+    """Reading a local directory's catalog and chunk headers (and checking every chunk's bytes) is all
+    ls, inspect, stats and verify do: they run with torch unimportable (it is most of a command's
+    start-up: ~3 s of the ~3.5 s they took)."""
+    for args in (["ls"], ["inspect", "agent-1"], ["stats"], ["ls", "--json"], ["verify"]):
         code, stdout, stderr, imported = drive(*args, "-p", data, blocked="torch")
         assert code == 0, (args, stderr)
-        assert "torch" not in imported and "agent-1" in stdout or args[0] == "stats", (args, stdout)
+        assert "torch" not in imported and ("agent-1" in stdout or args[0] in ("stats", "verify")), (args, stdout)
     assert "3 sessions" in drive("stats", "-p", data, blocked="torch")[1]
 
 
@@ -117,7 +118,7 @@ def test_missing_extras_are_one_line_naming_the_extra(data: Path, tmp_path: Path
         (("demo", "--data-dir", tmp_path / "demo"), "transformers", {}, "agentstate-kv[demo]"),
         (("ls", "--url", "http://127.0.0.1:1", "--token", TOKEN), "httpx", {}, "agentstate-kv[client]"),
         (("ls", "-p", data), "redis", {"AGENTSTATE_TIERS": redis_tiers}, "agentstate-kv[remote]"),
-        (("verify", "-p", data), "torch", {}, "agentstate-kv[store]"),  # a client-only install has no store
+        (("fork", "agent-1", "agent-1c", "-p", data), "torch", {}, "agentstate-kv[store]"),  # KV needs torch
         (("inspect", "agent-1", "-p", data), "lmdb", {}, "agentstate-kv[store]"),
         (("verify", "-p", data), "torch,numpy,lmdb", {}, "agentstate-kv[store]"),
     ]

@@ -7,7 +7,6 @@ so they read as misses and the next snapshot of each session rewrites them.
 
 from __future__ import annotations
 
-import torch  # noqa: F401  every header names a torch dtype: without torch, say so before any work
 from pydantic import BaseModel
 
 from agentstate import codec
@@ -193,10 +192,10 @@ def check_chunk(buf: codec.Buffer, spec: ModelSpec, tokens: int | None, key: str
     when a manifest says): a valid value of another key (swapped, copied over) is not ok."""
     try:
         shape = spec.kv_shape(tokens) if tokens is not None else None
-        kv = codec.decode(buf, key=key, fingerprint=spec.fingerprint, dtype=spec.torch_dtype, shape=shape)
+        got = codec.check(buf, key=key, fingerprint=spec.fingerprint, dtype=spec.dtype, shape=shape)  # no torch
         layers, planes, _, heads, dim = spec.kv_shape(0)
-        if shape is None and (kv.shape[:2], kv.shape[3:]) != ((layers, planes), (heads, dim)):
-            raise CorruptDataError(f"chunk shape {tuple(kv.shape)} is not one of this spec")
+        if shape is None and (got[:2], got[3:]) != ((layers, planes), (heads, dim)):
+            raise CorruptDataError(f"chunk shape {got} is not one of this spec")
     except AgentStateError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "ok"
