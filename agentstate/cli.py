@@ -39,6 +39,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from agentstate.cli_tables import Column, print_table
 from agentstate.errors import (
     AgentStateError,
     DataDirLockedError,
@@ -419,8 +420,6 @@ def ls(
         rows, others = _with_store(path or DEFAULT_PATH, spec, tenant, listing, read_only=True, url_hint=True)
 
     def render() -> None:
-        from agentstate.cli_tables import Column, print_table
-
         columns = [
             Column("session"), Column("version", 7, True), Column("tokens", right=True), Column("chunks", 5, True),
             Column("tail", 6, True), Column("size", 2, True), Column("parent", 8), Column("pinned", 9),
@@ -502,8 +501,6 @@ def inspect(
             out.print(f"state: {d.state}", markup=False)
         if d.records:
             out.print(f"records: {d.records} (a framework's state kept with the session: checkpoints, items)")
-        from agentstate.cli_tables import Column, print_table
-
         columns = [Column("#", right=True), Column("kind"), Column("tokens", right=True), Column("size", right=True),
                    Column("tiers"), Column("key")]  # fmt: skip
         cells = [
@@ -548,8 +545,6 @@ def stats(
         out.print(
             f"[bold]{r.path}[/bold]: spec {r.spec.model_id} ({r.spec.fingerprint}), {r.chunk_tokens} tokens/chunk"
         )
-        from agentstate.cli_tables import Column, print_table
-
         columns = [Column("tier"), Column("record"), Column("durable"), Column("remote"),
                    Column("capacity", right=True), Column("chunks", right=True)]  # fmt: skip
         cells = [
@@ -705,8 +700,6 @@ def verify(
         r = _with_store(path, spec, None, lambda s: run(s, repair=repair, progress=bars), read_only=not repair)
 
     def render() -> None:
-        from agentstate.cli_tables import Column, print_table
-
         names = ["checked", "of which engine pages", "ok", "corrupt", "missing", "repaired"]
         cells = [[t.tier, *(str(v) for v in (t.checked, t.pages, t.ok, t.corrupt, t.missing, t.repaired))]
                  for t in r.tiers]

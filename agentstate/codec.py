@@ -192,8 +192,14 @@ def check(
 ) -> tuple[int, ...]:
     """Everything `decode` checks, `dtype` by name, without building a tensor (so without torch):
     the chunk's shape, or the typed error `decode` would raise. For `agentstate verify`."""
-    bound = _key_bytes(key)
-    view = memoryview(buf)
+    return _checked(memoryview(buf), _key_bytes(key), fingerprint, dtype, shape, verify=True)
+
+
+def _checked(
+    view: memoryview, bound: bytes, fingerprint: str, dtype: str, shape: tuple[int, ...] | None, *, verify: bool
+) -> tuple[int, ...]:
+    """The checks of `check` and `decode`: the header, then what the reader expects of it, then
+    (with `verify`) the checksum bound to the key. Returns the chunk's shape."""
     fp, name, got, _, checksum, _ = _fields(view)
     if fp != fingerprint:
         raise SpecMismatchError(f"chunk belongs to spec {fp}, not {fingerprint}")
@@ -201,7 +207,7 @@ def check(
         raise CorruptDataError(f"chunk dtype {name} is not the expected {dtype}")
     if shape is not None and got != tuple(shape):
         raise CorruptDataError(f"chunk shape {got} is not the expected {tuple(shape)}")
-    if _checksum(view, view[HEADER_SIZE:], bound) != checksum:
+    if verify and _checksum(view, view[HEADER_SIZE:], bound) != checksum:
         raise CorruptDataError("chunk checksum mismatch (damaged, or stored under another key: not this key's value)")
     return got
 
@@ -223,21 +229,13 @@ def decode(
     """
     import torch
 
-    bound = _key_bytes(key)
     view = memoryview(buf)
-    head = read_header(view)
-    if head.fingerprint != fingerprint:
-        raise SpecMismatchError(f"chunk belongs to spec {head.fingerprint}, not {fingerprint}")
-    if head.dtype != dtype:
-        raise CorruptDataError(f"chunk dtype {head.dtype} is not the expected {dtype}")
-    if shape is not None and head.shape != tuple(shape):
-        raise CorruptDataError(f"chunk shape {head.shape} is not the expected {tuple(shape)}")
-    payload = view[HEADER_SIZE:]
-    if verify and _checksum(view, payload, bound) != head.checksum:
-        raise CorruptDataError("chunk checksum mismatch (damaged, or stored under another key: not this key's value)")
-    if head.payload_len == 0:
-        return torch.empty(head.shape, dtype=dtype)
-    return torch.frombuffer(payload, dtype=dtype).view(head.shape)
+    code = dtype_code(dtype)
+    name = _CODE_NAMES[code] if code is not None else str(dtype)  # a dtype no chunk holds matches none
+    got = _checked(view, _key_bytes(key), fingerprint, name, shape, verify=verify)
+    if len(view) == HEADER_SIZE:
+        return torch.empty(got, dtype=dtype)
+    return torch.frombuffer(view[HEADER_SIZE:], dtype=dtype).view(got)
 
 
 def decode_into(buf: Buffer, dest: torch.Tensor, *, key: str, fingerprint: str, verify: bool = True) -> None:

@@ -20,7 +20,6 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from tests.cli_process import run_cli
 from tests.conftest import SPEC4, random_kv, random_tokens
 from tests.ports import free_port
 from tests.readme_blocks import NEEDS_SERVER, NEEDS_SERVICE, PYTHON, SHELL
+from tests.test_service_limits import wait_until
 
 
 def _commands() -> list[list[str]]:
@@ -98,17 +98,19 @@ def _served(cwd: Path, data: Path, recorded: bool = False) -> Iterator[str]:
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            assert server.poll() is None, server.stderr.read() if server.stderr else ""
-            try:
-                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_until(lambda: _healthy(server, url), "agentstate serve answering /healthz")
         yield url
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def _healthy(server: subprocess.Popen[str], url: str) -> bool:
+    assert server.poll() is None, server.stderr.read() if server.stderr else ""
+    try:
+        return httpx.get(url + "/healthz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def test_the_service_blocks_files_are_what_serve_reads(tmp_path: Path) -> None:
