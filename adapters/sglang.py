@@ -167,7 +167,8 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         present = self._run(self._present([self.storage_key(keys[i]) for i in todo]))
         new = [i for i, hit in zip(todo, present) if not hit]
         stored = [self.storage_key(keys[i]) for i in new]
-        values = [encode_page(cast(torch.Tensor, pages[i]), store.fingerprint, k) for i, k in zip(new, stored)]
+        values = [encode_page(cast(torch.Tensor, pages[i]), store.fingerprint, k, store.chunks.value_buffer)
+                  for i, k in zip(new, stored)]  # fmt: skip
         ok = [p is not None for p in pages]
         start = time.perf_counter()
         try:

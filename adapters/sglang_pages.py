@@ -7,8 +7,8 @@ adapter shares (settings base, loop thread, never-raise guard) is `agentstate.ad
 
 from __future__ import annotations
 
-import mmap
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,7 +19,7 @@ from pydantic import Field
 from agentstate import codec
 from agentstate.adapters.runtime import AdapterSettings
 from agentstate.errors import InvalidArgumentError
-from agentstate.memory import host_buffer
+from agentstate.memory import Buffer, host_buffer
 from agentstate.spec import DTYPE_NAMES, ModelSpec
 from agentstate.target import GuardedTarget
 
@@ -51,11 +51,12 @@ def size_of(items: object) -> int:
         return 0
 
 
-def encode_page(page: torch.Tensor, fingerprint: str, key: str) -> bytearray | mmap.mmap:
+def encode_page(
+    page: torch.Tensor, fingerprint: str, key: str, buffer: Callable[[int], Buffer] = host_buffer
+) -> Buffer:
     """One canonical page as a codec value bound to `key`, the storage key it is put under; the
-    encode is the one copy out of pool memory."""
-    out = host_buffer(codec.encoded_size(page.numel() * page.element_size()))
-    return codec.encode(page, fingerprint, key=key, out=out)
+    encode is the one copy out of pool memory, into `buffer(n)` (the store's: its host tier's arena)."""
+    return codec.encode(page, fingerprint, key=key, out=buffer(codec.encoded_size(page.numel() * page.element_size())))
 
 
 def valid_key(key: object) -> bool:

@@ -12,13 +12,15 @@ import math
 import mmap
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 
 if TYPE_CHECKING:
     import torch
 
+Buffer = Union[bytearray, mmap.mmap]
+"""A writable host buffer, as host tiers keep values."""
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
@@ -47,11 +49,15 @@ def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(host_buffer(numel * dtype.itemsize), dtype=dtype).view(shape)
 
 
-def copy_bytes(view: memoryview) -> bytearray | mmap.mmap:
-    """An owned copy of `view` in a fresh host buffer (copied by torch, which releases the GIL)."""
+def copy_bytes(view: memoryview, out: bytearray | mmap.mmap | None = None) -> bytearray | mmap.mmap:
+    """An owned copy of `view` in `out` (exactly as long; default a fresh host buffer), copied by
+    torch, which releases the GIL."""
     import torch
 
-    out = host_buffer(len(view))
+    if out is None:
+        out = host_buffer(len(view))
+    elif len(out) != len(view):
+        raise ValueError(f"a {len(out)}-byte buffer for a {len(view)}-byte copy")
     if len(view):
         torch.frombuffer(out, dtype=torch.uint8).copy_(torch.frombuffer(view, dtype=torch.uint8))
     return out

@@ -9,9 +9,12 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from agentstate.memory import Buffer
 
 _NO_ROOM = {errno.ENOSPC, errno.EDQUOT}
 
@@ -85,6 +88,10 @@ class BackendStats(BaseModel):
     misses: int = 0
     errors: int = 0
     evictions: int = 0
+    arena_free_bytes: int = 0
+    """host tier: touched buffers of dropped values kept for reuse (agentstate.arena)"""
+    arena_reused: int = 0
+    arena_fresh: int = 0
 
 
 class InMemory:
@@ -141,6 +148,14 @@ class Backend(ABC):
     """How long the tier keeps a value nobody asks for again (a Redis tier's expiry); None: until deleted."""
 
     # -- capabilities the chunk layer and the operator tools read; the defaults fit a local tier --
+
+    def value_buffer(self, nbytes: int) -> Buffer | None:
+        """A touched buffer of `nbytes` this tier recycles for values headed its way (the host tier's
+        arena), or None: the caller allocates. Contents are stale: the caller overwrites every byte."""
+        return None
+
+    def prefault(self, nbytes: int, count: int) -> None:
+        """Touch up to `count` buffers of `nbytes` for `value_buffer` in the background (host tier)."""
 
     @property
     def location(self) -> str | os.PathLike[str] | None:

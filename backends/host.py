@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING
 
 from agentstate.backends.base import Backend, BackendStats, InMemory, ReadSink, io_pool
 
+from agentstate.arena import ValueArena
+from agentstate.memory import Buffer
+
 if TYPE_CHECKING:
     from agentstate.config import HostTier, StoreConfig
 
@@ -24,16 +27,19 @@ class HostBackend(InMemory, Backend):
 
     `put` keeps the caller's `bytes`/`bytearray`/`mmap` object itself (values are immutable by contract),
     so storing a freshly encoded chunk copies nothing. Reads copy on a small thread pool so that
-    copies of several chunks use several cores.
+    copies of several chunks use several cores. A value it drops goes to its `arena` for reuse by the
+    next encode or copy headed here (agentstate.arena), within `capacity_bytes` stored plus free.
     """
 
     name = "host"
     durable = False
     trusted = True
 
-    def __init__(self, *, threads: int = 2) -> None:
+    def __init__(self, *, threads: int = 2, capacity_bytes: int | None = None) -> None:
         self._items: dict[str, bytes | bytearray | mmap.mmap] = {}
         self._used = 0
+        self._capacity = capacity_bytes
+        self.arena = ValueArena()
         self._pool = io_pool(threads, "agentstate-host")
         self._counts: Counter[str] = Counter()
 
@@ -81,19 +87,41 @@ class HostBackend(InMemory, Backend):
             self._items[key] = owned
             self._used += len(owned)
             self._counts["writes"] += 1
+        self.arena.fit(self.room())
+
+    def value_buffer(self, nbytes: int) -> Buffer:
+        return self.arena.take(nbytes)
+
+    def prefault(self, nbytes: int, count: int) -> None:
+        self.arena.grow(nbytes, count, self.room())
+
+    def room(self) -> int:
+        """Bytes the arena may keep: the capacity less what is stored (no arena without a capacity)."""
+        return self._capacity - self._used if self._capacity is not None else 0
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            value = self._items.pop(key, None)
+            if value is not None:
+                self._used -= len(value)
+                self._counts["deletes"] += 1
+                self.arena.give(value, self.room())  # kept only if nothing else references it
 
     async def stats(self) -> BackendStats:
+        arena = self.arena.stats()
         return BackendStats(
             name=self.name, items=len(self._items), bytes_used=self._used, capacity_bytes=None,
+            arena_free_bytes=arena.free_bytes, arena_reused=arena.reused, arena_fresh=arena.fresh,
             **{k: self._counts[k] for k in ("reads", "writes", "deletes", "misses", "errors")},
         )  # fmt: skip
 
     async def close(self) -> None:
         self._items.clear()
         self._used = 0
+        self.arena.clear()
         self._pool.shutdown(wait=True)
 
 
 def from_config(cfg: HostTier, store: StoreConfig) -> HostBackend:
     """The host tier of a store (its capacity is the chunk layer's: `HostTier.capacity_managed`)."""
-    return HostBackend()
+    return HostBackend(capacity_bytes=cfg.capacity_bytes)

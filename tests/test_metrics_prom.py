@@ -51,6 +51,9 @@ EXPECTED = {
     "agentstate_tier_chunks": "gauge",
     "agentstate_tier_bytes_used": "gauge",
     "agentstate_tier_capacity_bytes": "gauge",
+    "agentstate_tier_arena_free_bytes": "gauge",
+    "agentstate_tier_arena_reused": "counter",
+    "agentstate_tier_arena_fresh": "counter",
     "agentstate_lmdb_map_size_bytes": "gauge",
     "agentstate_tier_disk_free_bytes": "gauge",
     "agentstate_remote_memory_used_bytes": "gauge",
@@ -139,6 +142,10 @@ async def test_families_types_units_and_values_that_move(app_client: Any, tmp_pa
         assert value(fam, "agentstate_tier_chunks", tier=tier) == 5
     assert value(fam, "agentstate_tier_capacity_bytes", tier="host") == store.config.tier_list()[0].capacity_bytes
     assert "lmdb" not in {s.labels["tier"] for s in fam["agentstate_tier_capacity_bytes"].samples}  # no limit set
+    assert value(fam, "agentstate_tier_arena_fresh", "_total", tier="host") >= 4  # four chunks into fresh memory
+    assert value(fam, "agentstate_tier_arena_reused", "_total", tier="host") == 0  # nothing dropped yet to reuse
+    assert value(fam, "agentstate_tier_arena_free_bytes", tier="host") == 0
+    assert "lmdb" not in {s.labels["tier"] for s in fam["agentstate_tier_arena_free_bytes"].samples}
     assert value(fam, "agentstate_lmdb_map_size_bytes", tier="lmdb") == 64 << 20  # labelled as what it is
     assert value(fam, "agentstate_tier_bytes_used", tier="lmdb") > 0
     assert value(fam, "agentstate_tier_disk_free_bytes", tier="lmdb") > 0

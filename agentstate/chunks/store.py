@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
+from agentstate import codec
 from agentstate.backends.base import Backend, BackendStats, ReadSink, io_pool
 from agentstate.chunks.eviction import make_policy
 from agentstate.chunks.holds import Hold, Holds
@@ -40,7 +41,7 @@ from agentstate.chunks.transfer import Span, Transfer
 from agentstate.config import StoreConfig, TierConfig
 from agentstate.datadir.lock import DataDirLock
 from agentstate.errors import InvalidArgumentError
-from agentstate.memory import BufferPool
+from agentstate.memory import Buffer, BufferPool, host_buffer
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget
 
@@ -108,6 +109,7 @@ class ChunkStore:
         tier_configs = config.tier_list()
         self._kinds = {t.tier_name: t.kind for t in tier_configs}
         self._lock = DataDirLock.acquire(config.path, shared=read_only)
+        self._read_only = read_only
         self._pool: ThreadPoolExecutor | None = None
         tiers: list[Tier] = []
         try:
@@ -134,6 +136,7 @@ class ChunkStore:
         self._transfer = Transfer(
             spec=spec, manager=self._manager, io=self._io, pool=self._pool,
             batch_bytes=config.batch_bytes, promote=config.promote_on_read and not read_only, read_only=read_only,
+            buffer=self.value_buffer,
         )  # fmt: skip
         self._deleting: dict[str, asyncio.Future[None]] = {}
         self._warming: dict[str, asyncio.Future[None]] = {}
@@ -148,9 +151,22 @@ class ChunkStore:
         return Tier(backend, capacity=capacity, is_device=cfg.kind == "device", policy=make_policy(self.config.eviction))
 
     async def open(self, prefixes: Iterable[str]) -> ChunkStore:
-        """Adopt what the local durable tiers hold under `prefixes`: a reopened store finds all it had."""
+        """Adopt what the local durable tiers hold under `prefixes`: a reopened store finds all it had.
+        Starts touching `host_prefault_bytes` of full-chunk buffers for the host tier's arena."""
         await self.adopt(prefixes)
+        if self.config.host_prefault_bytes and not self._read_only:
+            size = codec.encoded_size(self.config.chunk_tokens * self.spec.token_bytes)
+            for tier in self._manager.tiers:
+                tier.backend.prefault(size, self.config.host_prefault_bytes // size)
         return self
+
+    def value_buffer(self, nbytes: int) -> Buffer:
+        """Where to write a value headed for host memory (an encode, a promotion's copy): a touched
+        buffer a tier recycles (the host tier's arena) when one of that size is free, else fresh memory."""
+        for tier in self._manager.tiers:
+            if (buf := tier.backend.value_buffer(nbytes)) is not None:
+                return buf
+        return host_buffer(nbytes)
 
     # -- what is where --------------------------------------------------------------------------
 

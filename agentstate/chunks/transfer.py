@@ -20,7 +20,7 @@ from agentstate import codec
 from agentstate.chunks.io import IOEngine, batches
 from agentstate.chunks.tiers import Tier, TierManager, Value
 from agentstate.errors import AgentStateError, InvalidArgumentError
-from agentstate.memory import copy_bytes, host_buffer
+from agentstate.memory import Buffer, copy_bytes, host_buffer
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget
 
@@ -42,7 +42,10 @@ class Transfer:
         batch_bytes: int,
         promote: bool,
         read_only: bool = False,
+        buffer: Callable[[int], Buffer] = host_buffer,
     ) -> None:
+        """`buffer(n)`: where a value headed for host memory is written (the host tier's arena)."""
+        self.buffer = buffer
         self.spec = spec
         self.fingerprint = spec.fingerprint
         self.manager = manager
@@ -208,7 +211,7 @@ class Transfer:
                 if lossy is not None and codec.is_lossy(view):
                     lossy.add(keys[i])
                 if keep_copy:
-                    owned[keys[i]] = copy_bytes(view)
+                    owned[keys[i]] = copy_bytes(view, self.buffer(len(view)))
 
             # The largest valid value of each key bounds the read: a remote tier refuses a longer one
             # before it allocates or receives it (a forged length is a miss, not hundreds of MiB).
@@ -267,7 +270,7 @@ class Transfer:
         loop = asyncio.get_running_loop()
 
         def encode(run: list[int]) -> list[Value]:
-            return [codec.encode(chunks[i], self.fingerprint, key=keys[i], out=host_buffer(sizes[i])) for i in run]
+            return [codec.encode(chunks[i], self.fingerprint, key=keys[i], out=self.buffer(sizes[i])) for i in run]
 
         async def job(run: list[int]) -> None:
             # The IO engine bounds the encodes in flight, not the writes: a batch waiting for its

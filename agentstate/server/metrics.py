@@ -256,6 +256,19 @@ class StoreCollector(Collector):
             elif t.name in f.lmdb_limit:
                 capacity.add_metric([t.name], f.lmdb_limit[t.name])
         yield from (info, chunks, used, capacity)
+        arena = GaugeMetricFamily("agentstate_tier_arena_free_bytes", "Host tier: touched buffers of dropped values"
+                                  " kept for reuse; with agentstate_tier_bytes_used at most the tier's capacity.",
+                                  labels=tier)  # fmt: skip
+        reused = CounterMetricFamily("agentstate_tier_arena_reused", "Host tier: values written into a reused buffer"
+                                     " instead of fresh memory.", labels=tier)  # fmt: skip
+        fresh = CounterMetricFamily("agentstate_tier_arena_fresh", "Host tier: values written into fresh memory (no"
+                                    " free buffer of their size).", labels=tier)  # fmt: skip
+        for t in f.tiers:
+            if t.kind == "host" and t.name in f.local:
+                arena.add_metric([t.name], f.local[t.name].arena_free_bytes)
+                reused.add_metric([t.name], f.local[t.name].arena_reused)
+                fresh.add_metric([t.name], f.local[t.name].arena_fresh)
+        yield from (arena, reused, fresh)
         yield _gauges("agentstate_lmdb_map_size_bytes", "LMDB's current map size where no lmdb_max_map_size is set: "
                       "address space, not a capacity (the map doubles when full; the disk is the limit).", f.lmdb_map)  # fmt: skip
         yield _gauges("agentstate_tier_disk_free_bytes", "Free bytes of the filesystem under a local durable tier.",

@@ -1,0 +1,149 @@
+"""The host tier's arena (agentstate/arena.py): dropped value buffers are reused only when nothing else can
+still see them, the arena never takes the tier past its capacity, and sessions stay bit-exact under
+eviction pressure with holds and pins while buffers are recycled."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from agentstate import codec
+from agentstate.arena import MIN_BYTES, ValueArena
+from agentstate.backends.host import HostBackend
+from agentstate.config import TierConfig
+from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
+
+SIZE = 256 << 10
+CHUNK_BYTES = codec.encoded_size(64 * SPEC4.token_bytes)  # the open_store fixture's 64-token chunks
+
+
+def test_a_dropped_buffer_nobody_else_holds_is_handed_out_again() -> None:
+    arena = ValueArena()
+    buf = arena.take(SIZE)
+    assert arena.give(buf, room=1 << 30)
+    again = arena.take(SIZE)
+    assert again is buf and arena.stats().reused == 1
+    assert arena.take(SIZE) is not buf  # handed out once: the next one is fresh
+    small = bytearray(MIN_BYTES - 1)
+    assert not arena.give(small, room=1 << 30) and not arena.give(b"x" * SIZE, room=1 << 30)  # small, immutable
+
+
+def test_a_buffer_still_referenced_is_never_reused() -> None:
+    """A reader's memoryview, a tensor over it, a second container: each keeps it out of the arena."""
+    arena = ValueArena()
+    for hold in (memoryview, lambda b: torch.frombuffer(b, dtype=torch.uint8), lambda b: [b]):
+        buf = arena.take(SIZE)
+        buf[:4] = b"keep"
+        holder = hold(buf)
+        assert not arena.give(buf, room=1 << 30)
+        other = arena.take(SIZE)
+        assert other is not buf
+        other[:4] = b"over"
+        assert bytes(buf[:4]) == b"keep"
+        del holder
+    assert arena.stats().shared == 3 and arena.stats().free_bytes == 0
+
+
+def test_the_arena_stays_within_the_room_it_is_given_oldest_first() -> None:
+    arena = ValueArena()
+    bufs = [arena.take(SIZE) for _ in range(4)]
+    ids = [id(b) for b in bufs]
+    for _ in range(4):  # room for 3: the 4th makes the oldest go
+        assert arena.give(bufs.pop(0), room=3 * SIZE)
+    assert arena.stats().free_bytes == 3 * SIZE and arena.stats().free_buffers == 3
+    arena.fit(SIZE)  # the tier stored more: only the newest stays
+    assert arena.stats().free_bytes == SIZE
+    assert id(arena.take(SIZE)) == ids[3] and arena.stats().free_bytes == 0
+    assert not arena.give(bytearray(SIZE), room=SIZE - 1)  # no room at all: not kept
+
+
+def test_grow_touches_buffers_ahead_within_its_room() -> None:
+    arena = ValueArena()
+    arena.grow(SIZE, count=8, room=5 * SIZE).join()
+    assert arena.stats().free_buffers == 5 and arena.stats().free_bytes == 5 * SIZE
+    assert len(arena.take(SIZE)) == SIZE and arena.stats().reused == 1
+
+
+async def test_host_tier_footprint_stored_plus_free_never_exceeds_its_capacity() -> None:
+    cap = 10 * SIZE
+    host = HostBackend(capacity_bytes=cap)
+    for round_ in range(3):
+        keys = [f"r{round_}-{i}" for i in range(8)]
+        values = []
+        for i in range(8):
+            buf = host.value_buffer(SIZE)
+            buf[:] = bytes([i]) * SIZE
+            values.append(buf)
+        await host.put(keys, values)
+        del values, buf
+        stats = await host.stats()
+        assert stats.bytes_used + stats.arena_free_bytes <= cap
+        await host.delete(keys)
+        stats = await host.stats()
+        assert stats.bytes_used == 0 and 0 < stats.arena_free_bytes <= cap
+    assert (await host.stats()).arena_reused >= 8  # rounds 2 and 3 wrote into round 1's buffers
+    await host.close()
+
+
+async def test_a_read_in_flight_keeps_its_buffer_while_the_key_is_dropped_and_rewritten() -> None:
+    """The copy out of a host value runs on a pool thread; the key is deleted and new values of the
+    same size are written meanwhile: the reader still copies the bytes it was given."""
+    host = HostBackend(capacity_bytes=64 * SIZE)
+    original = host.value_buffer(SIZE)
+    original[:] = b"A" * SIZE
+    await host.put(["k"], [original])
+    del original
+    entered, go = threading.Event(), threading.Event()
+    seen: list[bytes] = []
+
+    def slow_sink(i: int, view: memoryview) -> None:
+        entered.set()
+        go.wait(10)
+        seen.append(bytes(view))
+
+    reading = asyncio.ensure_future(host.read(["k"], slow_sink))
+    await asyncio.to_thread(entered.wait, 10)
+    await host.delete(["k"])
+    for n in range(4):  # writers take whatever the arena hands out and fill it
+        buf = host.value_buffer(SIZE)
+        buf[:] = b"B" * SIZE
+        await host.put([f"new{n}"], [buf])
+    go.set()
+    assert await reading == [True]
+    assert seen == [b"A" * SIZE]
+    assert (await host.stats()).arena_reused == 0  # the dropped buffer was still being read: not reused
+    await host.close()
+
+
+async def test_sessions_stay_bit_exact_under_eviction_with_holds_and_pins_while_buffers_recycle(open_store) -> None:  # type: ignore[no-untyped-def]
+    layout = [TierConfig(kind="host", capacity_bytes=6 * CHUNK_BYTES), TierConfig(kind="lmdb")]
+    sessions: dict[str, tuple[list[int], torch.Tensor]] = {}
+    async with open_store(tiers=layout, host_prefault_bytes=2 * CHUNK_BYTES) as store:
+        pinned_tokens = random_tokens(128, seed=7)
+        pinned_kv = random_kv(SPEC4, 128, seed=7)
+        await store.put_prefix(pinned_tokens, pinned_kv)
+        pinned_keys = store.chunk_keys(pinned_tokens)
+        with store.chunks.pinned(pinned_keys):
+            for i in range(10):  # 3-4 chunks each into a host tier of 6: every snapshot evicts
+                tokens = random_tokens(200 + 10 * i, seed=100 + i)
+                kv = random_kv(SPEC4, len(tokens), seed=200 + i)
+                sessions[f"s{i}"] = (tokens, kv)
+                await store.snapshot(f"s{i}", tokens, kv)
+                if i % 3 == 0:
+                    store.chunks.hold(f"h{i}", "test", store.chunk_keys(tokens), for_s=60, back_in_s=1)
+                host = (await store.chunks.stats())[0]
+                assert host.bytes_used + host.arena_free_bytes <= 6 * CHUNK_BYTES
+                assert all("host" in store.chunks.where(k) for k in pinned_keys)  # pinned: never evicted
+            for sid, (_, kv) in sessions.items():  # reads promote into host: more recycling
+                r = await store.resume(sid)
+                assert r.complete and bits_equal(r.kv, kv), sid
+                await store.flush()
+        into = torch.zeros_like(pinned_kv)
+        assert await store.load(pinned_tokens, into) == 128 and bits_equal(into, pinned_kv)
+        host = (await store.chunks.stats())[0]
+        assert host.arena_reused > 0 and host.bytes_used + host.arena_free_bytes <= 6 * CHUNK_BYTES
+    async with open_store(tiers=layout) as store:  # and every byte on disk after a restart
+        for sid, (_, kv) in sessions.items():
+            assert bits_equal((await store.resume(sid)).kv, kv), sid
