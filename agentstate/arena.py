@@ -11,9 +11,11 @@ drops it, and the arena keeps it only if CPython's reference count says the tier
 reference (a reader's memoryview, a staged prefetch, a torch view all hold one). So no reader ever
 sees a buffer rewritten under it; a buffer still referenced is simply left to the allocator.
 
-Bounded: the arena's free bytes plus the tier's stored bytes stay within the tier's capacity (the
-caller says how much `room` is left), so the tier's footprint in process memory is what its
-capacity allows, stored or waiting for reuse. Oldest free buffers go first when it must shrink.
+Bounded: the caller gives the room (the host tier: `host_arena_bytes`, at most its capacity); the
+tier's process memory is its stored bytes (within its capacity, accounted exactly by the chunk
+layer) plus the arena's free bytes (reported in stats and metrics). Oldest free buffers go first.
+The bound is separate from the capacity on purpose: a full tier evicts to make room for values
+already encoded, so the buffers it frees serve the next batch, not this one.
 """
 
 from __future__ import annotations
@@ -91,11 +93,6 @@ class ValueArena:
             self._sizes.setdefault(size, []).append(id(buf))
             self._bytes += size
         return True
-
-    def fit(self, room: int) -> None:
-        """Drop free buffers (oldest first) until the arena holds at most `room` bytes."""
-        with self._lock:
-            self._shrink(room)
 
     def _shrink(self, room: int) -> None:
         while self._free and self._bytes > max(room, 0):

@@ -250,9 +250,13 @@ class StoreConfig(BaseSettings):
     )
     chunk_tokens: int = Field(default=256, gt=0, le=1 << 16, description="tokens per chunk")
     host_capacity_bytes: Bytes = Field(default=4 * GiB, ge=0, description="0 disables the host tier")
+    host_arena_bytes: Bytes = Field(
+        default=GiB, ge=0, description="host tier: buffers of dropped values kept, touched, for the next values"
+        " written there (at most the tier's capacity; process memory on top of what the tier stores)",
+    )  # fmt: skip
     host_prefault_bytes: Bytes = Field(
         default=0, ge=0, description="host tier: full-chunk buffers touched in the background at open, so the first"
-        " snapshots and promotions write into touched memory (within host_capacity_bytes)",
+        " snapshots and promotions write into touched memory (within host_arena_bytes)",
     )  # fmt: skip
     restore_pool_bytes: Bytes = Field(
         default=2 * GiB, ge=0, description="freed restore buffers kept, touched, for the next resume"

@@ -28,17 +28,18 @@ class HostBackend(InMemory, Backend):
     `put` keeps the caller's `bytes`/`bytearray`/`mmap` object itself (values are immutable by contract),
     so storing a freshly encoded chunk copies nothing. Reads copy on a small thread pool so that
     copies of several chunks use several cores. A value it drops goes to its `arena` for reuse by the
-    next encode or copy headed here (agentstate.arena), within `capacity_bytes` stored plus free.
+    next encode or copy headed here (agentstate.arena): at most `arena_bytes` of free buffers, on top
+    of the stored bytes the chunk layer keeps within the tier's capacity.
     """
 
     name = "host"
     durable = False
     trusted = True
 
-    def __init__(self, *, threads: int = 2, capacity_bytes: int | None = None) -> None:
+    def __init__(self, *, threads: int = 2, arena_bytes: int = 0) -> None:
         self._items: dict[str, bytes | bytearray | mmap.mmap] = {}
         self._used = 0
-        self._capacity = capacity_bytes
+        self.arena_bytes = arena_bytes
         self.arena = ValueArena()
         self._pool = io_pool(threads, "agentstate-host")
         self._counts: Counter[str] = Counter()
@@ -87,17 +88,12 @@ class HostBackend(InMemory, Backend):
             self._items[key] = owned
             self._used += len(owned)
             self._counts["writes"] += 1
-        self.arena.fit(self.room())
 
     def value_buffer(self, nbytes: int) -> Buffer:
         return self.arena.take(nbytes)
 
     def prefault(self, nbytes: int, count: int) -> None:
-        self.arena.grow(nbytes, count, self.room())
-
-    def room(self) -> int:
-        """Bytes the arena may keep: the capacity less what is stored (no arena without a capacity)."""
-        return self._capacity - self._used if self._capacity is not None else 0
+        self.arena.grow(nbytes, count, self.arena_bytes)
 
     async def delete(self, keys: Sequence[str]) -> None:
         for key in keys:
@@ -105,7 +101,7 @@ class HostBackend(InMemory, Backend):
             if value is not None:
                 self._used -= len(value)
                 self._counts["deletes"] += 1
-                self.arena.give(value, self.room())  # kept only if nothing else references it
+                self.arena.give(value, self.arena_bytes)  # kept only if nothing else references it
 
     async def stats(self) -> BackendStats:
         arena = self.arena.stats()
@@ -124,4 +120,4 @@ class HostBackend(InMemory, Backend):
 
 def from_config(cfg: HostTier, store: StoreConfig) -> HostBackend:
     """The host tier of a store (its capacity is the chunk layer's: `HostTier.capacity_managed`)."""
-    return HostBackend(capacity_bytes=cfg.capacity_bytes)
+    return HostBackend(arena_bytes=min(store.host_arena_bytes, cfg.capacity_bytes or 0))

@@ -1,0 +1,151 @@
+"""Snapshots into the host tier: fresh memory against the arena's touched buffers (not a test).
+
+    python benchmarks/bench_arena.py [--sessions 8] [--tokens 1024] [--rounds 3] [--no-write]
+
+Each case runs in a fresh process (as a server or an engine starts), on the default store (host tier
+over LMDB, value log synced), Llama-8B-shaped bf16 KV (128 KiB a token), `--sessions` sessions of
+`--tokens` tokens snapshotted one after another, `--rounds` times (new sessions each round):
+
+- fresh: the host tier is big enough for everything: every value lands in fresh memory;
+- prefault: `host_prefault_bytes` covers a round; the timing starts once the arena is filled
+  (a server opens its store long before its first snapshot);
+- steady: the host tier holds one round: from round 2 on every snapshot evicts the previous
+  round's chunks and their buffers are reused (the default arena: `host_arena_bytes` 1 GiB).
+
+Ceilings from the same run: a durable write of the same bytes (write + fsync of one file) and a
+copy into fresh vs touched memory. GB = 1e9 bytes of KV payload. Every session's resume is
+checked bit-exact after the timed rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+BEGIN, END = "<!-- bench_arena:begin -->", "<!-- bench_arena:end -->"
+
+
+def case(mode: str, root: str, sessions: int, tokens: int, rounds: int) -> dict[str, object]:
+    import torch
+
+    from agentstate import StateStore, codec
+    from agentstate.spec import ModelSpec
+
+    spec = ModelSpec(model_id="bench/llama-8b-shape", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    round_bytes = sessions * tokens * spec.token_bytes
+    chunk = codec.encoded_size(256 * spec.token_bytes)
+    extra: dict[str, object] = {"lmdb_map_size": 4 * rounds * round_bytes}
+    if mode == "prefault":
+        extra["host_prefault_bytes"] = extra["host_arena_bytes"] = (round_bytes // (chunk - 64) + 1) * chunk
+    if mode == "steady":
+        extra["host_capacity_bytes"] = round_bytes + sessions * chunk  # one round's chunks (headers included)
+    g = torch.Generator().manual_seed(0)
+    kvs = [torch.randint(-30000, 30000, spec.kv_shape(tokens), generator=g, dtype=torch.int16).view(torch.bfloat16)
+           for _ in range(sessions)]  # fmt: skip
+
+    async def run() -> dict[str, object]:
+        times = []
+        async with StateStore.open(root, spec, **extra) as store:
+            if mode == "prefault":
+                host = store.chunks._manager.tiers[0].backend
+                deadline = time.monotonic() + 120
+                while host.arena.stats().free_bytes < extra["host_prefault_bytes"] and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+            for r in range(rounds):
+                t = time.perf_counter()
+                for i, kv in enumerate(kvs):
+                    toks = [r * 1_000_000 + i * 10_000 + j for j in range(tokens)]  # new sessions: nothing dedupes
+                    await store.snapshot(f"r{r}-s{i}", toks, kv)
+                times.append(time.perf_counter() - t)
+            stats = (await store.chunks.stats())[0]
+            for r in range(rounds):
+                for i, kv in enumerate(kvs):
+                    got = await store.resume(f"r{r}-s{i}")
+                    assert got.kv.view(torch.int16).equal(kv.view(torch.int16)), (r, i)
+        return {"gbps": [round_bytes / 1e9 / t for t in times], "reused": stats.arena_reused,
+                "fresh": stats.arena_fresh}  # fmt: skip
+
+    return asyncio.run(run())
+
+
+def ceilings(root: Path, nbytes: int) -> dict[str, float]:
+    import numpy as np
+
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    t = time.perf_counter()
+    fresh = np.empty(nbytes, dtype=np.uint8)
+    np.copyto(fresh, src)
+    fresh_s = time.perf_counter() - t
+    t = time.perf_counter()
+    np.copyto(fresh, src)
+    touched_s = time.perf_counter() - t
+    path = root / "ceiling.bin"
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(memoryview(src))
+        f.flush()
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t
+    path.unlink()
+    return {"fresh copy": nbytes / 1e9 / fresh_s, "touched copy": nbytes / 1e9 / touched_s,
+            "write + fsync": nbytes / 1e9 / write_s}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--root", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:  # the child: one case in a fresh process
+        print(json.dumps(case(args.case, args.root, args.sessions, args.tokens, args.rounds)))
+        return
+    t0 = time.time()
+    results = {}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
+        nbytes = args.sessions * args.tokens * 32 * 2 * 8 * 128 * 2
+        ceil = ceilings(Path(d), nbytes)
+        for mode in ("fresh", "prefault", "steady"):
+            out = subprocess.run([sys.executable, __file__, "--case", mode, "--root", f"{d}/{mode}",
+                                  "--sessions", str(args.sessions), "--tokens", str(args.tokens),
+                                  "--rounds", str(args.rounds)], capture_output=True, text=True, check=True)  # fmt: skip
+            results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+            print(mode, results[mode], flush=True)
+    rows = ["| case | round 1 | later rounds (median) | vs write + fsync | buffers reused / fresh |",
+            "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for mode, r in results.items():
+        later = statistics.median(r["gbps"][1:]) if len(r["gbps"]) > 1 else r["gbps"][0]
+        rows.append(f"| {mode} | {r['gbps'][0]:.2f} GB/s | {later:.2f} GB/s | {100 * later / ceil['write + fsync']:.0f}%"
+                    f" | {r['reused']} / {r['fresh']} |")  # fmt: skip
+    cmd = " ".join(["python benchmarks/bench_arena.py", *sys.argv[1:]])
+    text = "\n".join([
+        "## Snapshots into the host tier: fresh memory vs the arena (benchmarks/bench_arena.py)", "",
+        f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {time.time() - t0:.0f} s)."
+        f" {args.sessions} sessions x {args.tokens} tokens of Llama-8B-shaped bf16 KV ({nbytes / 1e9:.2f} GB a round)"
+        f" per round, {args.rounds} rounds, default store (host tier over LMDB, synced), each case in a fresh process."
+        f" Ceilings, same run: durable write of {nbytes / 1e9:.2f} GB (write + fsync) {ceil['write + fsync']:.2f} GB/s;"
+        f" copy into fresh memory {ceil['fresh copy']:.2f} GB/s, into touched memory {ceil['touched copy']:.2f} GB/s.",
+        "", *rows,
+    ])  # fmt: skip
+    print(text)
+    if not args.no_write:
+        from doc_section import write_section
+
+        write_section(REPO / "docs" / "benchmarks.md", BEGIN, END, text)
+
+
+if __name__ == "__main__":
+    main()
