@@ -58,7 +58,7 @@ class ValueArena:
         self._bytes = 0
         self._lock = threading.Lock()
         self._counts = {"reused": 0, "fresh": 0, "shared": 0}
-        self._growing: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def take(self, nbytes: int) -> Buffer:
         """A writable buffer of exactly `nbytes`: a reused one (stale contents: the caller overwrites
@@ -112,21 +112,23 @@ class ValueArena:
                 buf = host_buffer(nbytes)
                 np.frombuffer(buf, dtype=np.uint8)[::4096] = 0  # the OS maps pages lazily: touch each one
                 with self._lock:
-                    if self._bytes + nbytes > room:
+                    if self._stop.is_set() or self._bytes + nbytes > room:
                         return
                     self._free[id(buf)] = buf
                     self._sizes.setdefault(nbytes, []).append(id(buf))
                     self._bytes += nbytes
 
-        self._growing = threading.Thread(target=run, name="agentstate-arena", daemon=True)
-        self._growing.start()
-        return self._growing
+        thread = threading.Thread(target=run, name="agentstate-arena", daemon=True)
+        thread.start()
+        return thread
 
     def stats(self) -> ArenaStats:
         with self._lock:
             return ArenaStats(free_bytes=self._bytes, free_buffers=len(self._free), **self._counts)
 
     def clear(self) -> None:
+        """Drop every free buffer and stop a `grow` in progress (the tier is closing)."""
+        self._stop.set()
         with self._lock:
             self._free.clear()
             self._sizes.clear()

@@ -64,6 +64,9 @@ def test_grow_touches_buffers_ahead_within_its_room() -> None:
     arena.grow(SIZE, count=8, room=5 * SIZE).join()
     assert arena.stats().free_buffers == 5 and arena.stats().free_bytes == 5 * SIZE
     assert len(arena.take(SIZE)) == SIZE and arena.stats().reused == 1
+    arena.clear()  # the tier closes: a grow still running adds nothing after it
+    arena.grow(SIZE, count=8, room=8 * SIZE).join()
+    assert arena.stats().free_bytes == 0
 
 
 async def test_host_tier_keeps_at_most_its_arena_bytes_of_free_buffers() -> None:
