@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -165,7 +166,10 @@ def main() -> None:
         for mode in ("ceiling", "fresh", "prefault", "steady", "warm-fresh", "warm-arena", "ceiling"):
             out = subprocess.run([sys.executable, __file__, "--case", mode, "--root", f"{d}/{mode}",
                                   "--sessions", str(args.sessions), "--tokens", str(args.tokens),
-                                  "--rounds", str(args.rounds)], capture_output=True, text=True, check=True)  # fmt: skip
+                                  "--rounds", str(args.rounds)], capture_output=True, text=True)  # fmt: skip
+            shutil.rmtree(f"{d}/{mode}", ignore_errors=True)  # a case's store is GBs: one on disk at a time
+            if out.returncode:
+                sys.exit(f"case {mode} failed:\n{out.stderr[-4000:]}")
             got = json.loads(out.stdout.strip().splitlines()[-1])
             print(mode, got, flush=True)
             if mode == "ceiling":

@@ -42,10 +42,13 @@ from tests.sglang_server import SGLangServer, _group_members, build_native_hash,
 
 PAGE = 16
 START, END = "<!-- bench_sglang_load:start -->", "<!-- bench_sglang_load:end -->"
-NAMES = {"agentstate": "agentstate", "agentstate-lmdb": "agentstate (LMDB only)", "file": "HiCacheFile"}
+NAMES = {"agentstate": "agentstate", "agentstate-lmdb": "agentstate (LMDB only)",
+         "agentstate-wb": "agentstate (write_back: LMDB on eviction)", "file": "HiCacheFile"}
 SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {  # name: (SGLangServer storage, extra config)
     "agentstate": ("agentstate", {"lmdb_map_size": 8 << 30, "host_capacity_bytes": 2 << 30}),
     "agentstate-lmdb": ("agentstate", {"lmdb_map_size": 8 << 30, "tiers": [{"kind": "lmdb"}]}),
+    "agentstate-wb": ("agentstate", {"lmdb_map_size": 8 << 30, "host_capacity_bytes": 2 << 30,
+                                     "write_policy": "write_back"}),
     "file": ("file", {}),
 }
 MODELS = {  # tiny: compute is cheap, so what L3 calls cost shows; bench: the 8-layer model of bench_sglang.py
