@@ -192,6 +192,7 @@ def main() -> None:
                     f" | {r['reused']} / {r['fresh']} |")  # fmt: skip
     cmd = " ".join(["python benchmarks/bench_arena.py", *sys.argv[1:]])
     text = "\n".join([
+        BEGIN,
         "## Snapshots into the host tier: fresh memory vs the arena (benchmarks/bench_arena.py)", "",
         f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {time.time() - t0:.0f} s)."
         f" {args.sessions} sessions x {args.tokens} tokens of Llama-8B-shaped bf16 KV ({nbytes / 1e9:.2f} GB a round)"
@@ -204,7 +205,7 @@ def main() -> None:
         "", *rows, "",
         f"`resuming` hints (warm: LMDB, page cache warm, into the host tier), {args.sessions} sessions in turn,"
         f" {args.rounds} passes, a host tier that holds two sessions: each warm evicts an older session.", "",
-        *warm_rows,
+        *warm_rows, END,
     ])  # fmt: skip
     print(text)
     if not args.no_write:

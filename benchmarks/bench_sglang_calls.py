@@ -172,12 +172,13 @@ def main() -> None:
             print(rows[-1], flush=True)
     cmd = "python benchmarks/bench_sglang_calls.py " + " ".join(sys.argv[1:])
     text = "\n".join([
+        BEGIN,
         "## One SGLang L3 call, quiet and beside a CPU hog (benchmarks/bench_sglang_calls.py)", "",
         f"Command: `{cmd.strip()}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {time.time() - t0:.0f} s)."
         f" {args.calls} calls of {args.pages} pages ({PAGE} tokens, {LAYERS} layers x {HEADS} KV heads x {DIM} dim,"
         " float32: 32 KiB a page) from one thread, as SGLang's controller threads call, beside a thread doing"
         " model-like work (torch matmuls and Python) in the same process and `hogs` busy-loop processes.", "",
-        *rows,
+        *rows, END,
     ])  # fmt: skip
     print(text)
     if not args.no_write:

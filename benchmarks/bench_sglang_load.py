@@ -36,7 +36,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from doc_section import write_section  # noqa: E402
 
 from tests.sglang_server import SGLangServer, _group_members, build_native_hash, make_model  # noqa: E402
 
@@ -234,13 +236,7 @@ def main() -> None:
     print(text)
     if args.no_doc:
         return
-    doc = ROOT / "docs" / "benchmarks.md"
-    current = doc.read_text()
-    if START in current and END in current:
-        current = current[: current.index(START)] + text + current[current.index(END) + len(END) :]
-    else:
-        current = current.rstrip("\n") + "\n\n" + text + "\n"
-    doc.write_text(current)
+    write_section(ROOT / "docs" / "benchmarks.md", START, END, text)
 
 
 if __name__ == "__main__":
