@@ -1,6 +1,6 @@
 """Snapshots into the host tier: fresh memory against the arena's touched buffers (not a test).
 
-    python benchmarks/bench_arena.py [--sessions 8] [--tokens 1024] [--rounds 3] [--no-write]
+    python benchmarks/bench_arena.py [--sessions 8] [--tokens 1024] [--rounds 3] [--reps 2] [--no-write]
 
 Each case runs in a fresh process (as a server or an engine starts), on the default store (host tier
 over LMDB, value log synced), Llama-8B-shaped bf16 KV (128 KiB a token), `--sessions` sessions of
@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=2, help="times the sequence of cases runs (figures per rep)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
@@ -160,10 +161,11 @@ def main() -> None:
             print(json.dumps(case(args.case, args.root, args.sessions, args.tokens, args.rounds)))
         return
     t0 = time.time()
-    results = {}
+    results: dict[str, list[dict[str, object]]] = {}
+    cases = ("fresh", "prefault", "steady", "warm-fresh", "warm-arena")
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
         ceils = []
-        for mode in ("ceiling", "fresh", "prefault", "steady", "warm-fresh", "warm-arena", "ceiling"):
+        for mode in ("ceiling", *cases * args.reps, "ceiling"):  # each case and its control close in time
             out = subprocess.run([sys.executable, __file__, "--case", mode, "--root", f"{d}/{mode}",
                                   "--sessions", str(args.sessions), "--tokens", str(args.tokens),
                                   "--rounds", str(args.rounds)], capture_output=True, text=True)  # fmt: skip
@@ -175,28 +177,35 @@ def main() -> None:
             if mode == "ceiling":
                 ceils.append(got)
             else:
-                results[mode] = got
+                results.setdefault(mode, []).append(got)
     ceil = {k: max(c[k] for c in ceils) for k in ceils[0]}  # the better of the runs before and after the cases
-    rows = ["| case | round 1 | later rounds (median) | later vs durable write | buffers reused / fresh |",
+    rows = ["| case | round 1, each rep | later rounds (median), each rep | later vs durable write (median) |"
+            " buffers reused / fresh, each rep |",
             "|---|---:|---:|---:|---:|"]  # fmt: skip
-    warm_rows = ["| case | warm GB/s (median of every hint that moved chunks) | vs copy into touched memory |"
-                 " buffers reused / fresh |", "|---|---:|---:|---:|"]  # fmt: skip
-    for mode, r in results.items():
+    warm_rows = ["| case | warm GB/s (median of every hint that moved chunks), each rep | vs copy into touched memory |"
+                 " buffers reused / fresh, each rep |", "|---|---:|---:|---:|"]  # fmt: skip
+    def each(values: list[float], unit: str = "") -> str:
+        return " / ".join(f"{v:.2f}{unit}" for v in values)
+
+    for mode, reps in results.items():
+        reused = "; ".join(f"{r['reused']}/{r['fresh']}" for r in reps)
         if mode.startswith("warm"):
-            med = statistics.median(r["gbps"])
-            warm_rows.append(f"| {mode} | {med:.2f} | {100 * med / ceil['touched copy']:.0f}% | {r['reused']} /"
-                             f" {r['fresh']} |")  # fmt: skip
+            meds = [statistics.median(r["gbps"]) for r in reps]
+            warm_rows.append(f"| {mode} | {each(meds)} | {100 * statistics.median(meds) / ceil['touched copy']:.0f}%"
+                             f" | {reused} |")  # fmt: skip
             continue
-        later = statistics.median(r["gbps"][1:]) if len(r["gbps"]) > 1 else r["gbps"][0]
-        rows.append(f"| {mode} | {r['gbps'][0]:.2f} GB/s | {later:.2f} GB/s | {100 * later / ceil['durable write']:.0f}%"
-                    f" | {r['reused']} / {r['fresh']} |")  # fmt: skip
+        first = [r["gbps"][0] for r in reps]
+        later = [statistics.median(r["gbps"][1:]) if len(r["gbps"]) > 1 else r["gbps"][0] for r in reps]
+        rows.append(f"| {mode} | {each(first, ' GB/s')} | {each(later, ' GB/s')} |"
+                    f" {100 * statistics.median(later) / ceil['durable write']:.0f}% | {reused} |")  # fmt: skip
     cmd = " ".join(["python benchmarks/bench_arena.py", *sys.argv[1:]])
     text = "\n".join([
         BEGIN,
         "## Snapshots into the host tier: fresh memory vs the arena (benchmarks/bench_arena.py)", "",
         f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {time.time() - t0:.0f} s)."
         f" {args.sessions} sessions x {args.tokens} tokens of Llama-8B-shaped bf16 KV ({nbytes / 1e9:.2f} GB a round)"
-        f" per round, {args.rounds} rounds, default store (host tier over LMDB, synced), each case in a fresh process."
+        f" per round, {args.rounds} rounds, default store (host tier over LMDB, synced), each case in a fresh process;"
+        f" the sequence of cases {args.reps} times (fresh memory's speed on this VM moves from minute to minute)."
         f" Ceilings, same run, each in a process of its own before and after the cases (the better kept): durable"
         f" sequential write of {nbytes / 1e9:.2f} GB (pwrite + fdatasync, best of plain and early writeback)"
         f" {ceil['durable write']:.2f} GB/s; copy into fresh memory {ceil['fresh copy']:.2f} GB/s, into touched"
