@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from bench_sglang import pct, toks  # noqa: E402  (the same tokens and percentiles as the sequential benchmark)
 from doc_section import write_section  # noqa: E402
 
 from tests.sglang_server import SGLangServer, _group_members, build_native_hash, make_model  # noqa: E402
@@ -57,16 +57,6 @@ MODELS = {  # tiny: compute is cheap, so what L3 calls cost shows; bench: the 8-
     "tiny": {"layers": 2, "hidden": 128, "heads": 2, "kv_heads": 2},
     "bench": {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 4},
 }
-
-
-def toks(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def stream(url: str, input_ids: list[int], output: int, timeout: float = 900) -> dict[str, Any]:
