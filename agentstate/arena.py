@@ -76,9 +76,10 @@ class ValueArena:
 
     def give(self, buf: object, room: int) -> bool:
         """Keep a value the tier dropped for reuse, if it is a buffer nobody else references and the
-        arena stays within `room` bytes (capacity minus what the tier stores). Returns whether kept.
-        The caller must hold no other name for `buf` than the argument it passes."""
-        if not isinstance(buf, (bytearray, mmap.mmap)) or len(buf) < MIN_BYTES:
+        arena stays within `room` bytes (the host tier's `host_arena_bytes`), older free buffers
+        leaving first to make way. Returns whether kept. The caller must hold no other name for `buf`
+        than the argument it passes."""
+        if not isinstance(buf, (bytearray, mmap.mmap)) or not MIN_BYTES <= len(buf) <= room:
             return False
         if sys.getrefcount(buf) > _SOLE:
             with self._lock:
@@ -87,8 +88,6 @@ class ValueArena:
         size = len(buf)
         with self._lock:
             self._shrink(room - size)
-            if self._bytes + size > room:
-                return False
             self._free[id(buf)] = buf
             self._sizes.setdefault(size, []).append(id(buf))
             self._bytes += size
