@@ -47,16 +47,29 @@ def test_a_buffer_still_referenced_is_never_reused() -> None:
 
 
 def test_the_arena_stays_within_the_room_it_is_given_oldest_first() -> None:
+    """Buffers are told apart by a mark in their first byte (ids of freed objects are reused)."""
     arena = ValueArena()
     bufs = [arena.take(SIZE) for _ in range(4)]
-    ids = [id(b) for b in bufs]
+    for mark, buf in enumerate(bufs):
+        buf[0] = mark
+    del buf
     for _ in range(4):  # room for 3: the 4th makes the oldest go
         assert arena.give(bufs.pop(0), room=3 * SIZE)
     assert arena.stats().free_bytes == 3 * SIZE and arena.stats().free_buffers == 3
-    assert arena.give(bytearray(SIZE), room=SIZE)  # a smaller room: only the newest stays
+    newest = bytearray(SIZE)
+    newest[0] = 99
+    assert arena.give(newest, room=SIZE)  # a smaller room: only the newest stays
+    del newest
     assert arena.stats().free_bytes == SIZE
-    assert id(arena.take(SIZE)) not in ids and arena.stats().free_bytes == 0
+    assert arena.take(SIZE)[0] == 99 and arena.stats().free_bytes == 0
     assert not arena.give(bytearray(SIZE), room=SIZE - 1)  # no room at all: not kept
+    kept = [arena.take(SIZE) for _ in range(3)]
+    for mark, buf in enumerate(kept, start=1):
+        buf[0] = mark
+    del buf
+    while kept:
+        assert arena.give(kept.pop(0), room=2 * SIZE)  # 1 goes when 3 arrives: 2 and 3 stay
+    assert sorted(arena.take(SIZE)[0] for _ in range(2)) == [2, 3]
 
 
 def test_grow_touches_buffers_ahead_within_its_room() -> None:
