@@ -49,7 +49,7 @@ def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(host_buffer(numel * dtype.itemsize), dtype=dtype).view(shape)
 
 
-def copy_bytes(view: memoryview, out: bytearray | mmap.mmap | None = None) -> bytearray | mmap.mmap:
+def copy_bytes(view: memoryview, out: Buffer | None = None) -> Buffer:
     """An owned copy of `view` in `out` (exactly as long; default a fresh host buffer), copied by
     torch, which releases the GIL."""
     import torch

@@ -113,10 +113,14 @@ class InMemory:
 
     async def delete(self, keys: Sequence[str]) -> None:
         for key in keys:
-            value = self._items.pop(key, None)
-            if value is not None:
-                self._used -= self._size(value)
+            if key in self._items:
+                self._used -= self._size(self._items[key])
                 self._counts["deletes"] += 1
+                self._dropped(self._items.pop(key))  # no name for it here: `_dropped` may hold the last one
+
+    def _dropped(self, value: Any) -> None:
+        """A value just left the tier, `value` its last name here (the host tier hands its buffer to its
+        arena, which reuses it only if nothing else references it); default nothing."""
 
     async def keys(self, prefix: str | None = None) -> AsyncIterator[str]:
         for key in list(self._items):

@@ -95,13 +95,8 @@ class HostBackend(InMemory, Backend):
     def prefault(self, nbytes: int, count: int) -> None:
         self.arena.grow(nbytes, count, self.arena_bytes)
 
-    async def delete(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            value = self._items.pop(key, None)
-            if value is not None:
-                self._used -= len(value)
-                self._counts["deletes"] += 1
-                self.arena.give(value, self.arena_bytes)  # kept only if nothing else references it
+    def _dropped(self, value: bytes | bytearray | mmap.mmap) -> None:
+        self.arena.give(value, self.arena_bytes)  # kept only if nothing else references it
 
     async def stats(self) -> BackendStats:
         arena = self.arena.stats()

@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -36,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from doc_section import write_section  # noqa: E402
 import tests.sglang_launch  # noqa: F401, I001  (SGLang's CPU stand-ins, before any SGLang import)
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: I001
+from bench_sglang_pages import storage_config  # noqa: I001
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -56,13 +55,6 @@ def host_pool(pages: int) -> MHATokenToKVPoolHost:
     host.kv_buffer.view(torch.uint8).copy_(torch.randint(0, 256, host.kv_buffer.view(torch.uint8).shape,
                                                          dtype=torch.uint8))  # fmt: skip
     return host
-
-
-def storage_config(extra: dict[str, Any]) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-        enable_storage_metrics=False, is_page_first_layout=False, model_name=MODEL, extra_config=extra,
-    )  # fmt: skip
 
 
 class Scheduler:
@@ -113,7 +105,7 @@ def measure(root: Path, pages: int, calls: int) -> dict[str, dict[str, list[floa
     extra = {"backend_name": "agentstate", "module_path": "agentstate.adapters.sglang",
              "class_name": "AgentStateStorage", "interface_v1": 1, "path": str(root / "agentstate"),
              "lmdb_map_size": 4 << 30, "host_capacity_bytes": 2 << 30}  # fmt: skip
-    ours = StorageBackendFactory.create_backend("dynamic", storage_config(extra), host)
+    ours = StorageBackendFactory.create_backend("dynamic", storage_config(extra, model=MODEL, page_first=False), host)
     try:
         ours.register_mem_pool_host(host)
         base = [f"{i:064x}" for i in range(pages)]

@@ -81,11 +81,11 @@ def host_pool(pages: int) -> MHATokenToKVPoolHost:
     return host
 
 
-def storage_config(extra: dict[str, Any]) -> HiCacheStorageConfig:
-    """As HiCacheController fills it for TP=1, PP=1, non-MLA, page_first."""
+def storage_config(extra: dict[str, Any], *, model: str = MODEL, page_first: bool = True) -> HiCacheStorageConfig:
+    """As HiCacheController fills it for TP=1, PP=1, non-MLA (page_first unless told)."""
     return HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-        enable_storage_metrics=False, is_page_first_layout=True, model_name=MODEL, extra_config=extra,
+        enable_storage_metrics=False, is_page_first_layout=page_first, model_name=model, extra_config=extra,
     )  # fmt: skip
 
 

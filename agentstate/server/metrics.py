@@ -257,7 +257,8 @@ class StoreCollector(Collector):
                 capacity.add_metric([t.name], f.lmdb_limit[t.name])
         yield from (info, chunks, used, capacity)
         arena = GaugeMetricFamily("agentstate_tier_arena_free_bytes", "Host tier: touched buffers of dropped values"
-                                  " kept for reuse; with agentstate_tier_bytes_used at most the tier's capacity.",
+                                  " kept for reuse (at most host_arena_bytes), process memory on top of"
+                                  " agentstate_tier_bytes_used.",
                                   labels=tier)  # fmt: skip
         reused = CounterMetricFamily("agentstate_tier_arena_reused", "Host tier: values written into a reused buffer"
                                      " instead of fresh memory.", labels=tier)  # fmt: skip
