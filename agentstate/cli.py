@@ -680,7 +680,8 @@ def gc(path: PathOpt = DEFAULT_PATH, spec: SpecOpt = None, json: JsonOpt = False
     """Remove expired sessions and chunks nothing references."""
     from agentstate.ops.admin import gc as run
 
-    r = _with_store(path, spec, None, run)
+    with _progress(not json) as bars:
+        r = _with_store(path, spec, None, lambda s: run(s, bars))
     _emit(r, json, lambda: out.print(f"removed {r.removed}"))
 
 

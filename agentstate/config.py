@@ -292,6 +292,10 @@ class StoreConfig(BaseSettings):
     )
     catalog_cluster: bool = Field(default=False, description="the shared catalog is a Redis Cluster")
     catalog_prefix: str = Field(default="agentstate:", description="key prefix of the shared catalog")
+    gc_step_keys: int = Field(
+        default=4096, ge=1, le=1 << 20,
+        description="gc sweeps the stored keys in steps of this many (each step's memory and pause are bounded by it)",
+    )  # fmt: skip
     gc_grace_seconds: float = Field(
         default=600.0, ge=0, description="shared stores: gc keeps an unreferenced chunk used this recently"
     )

@@ -14,6 +14,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agentstate.catalog import Committed, named_keys
@@ -21,6 +22,7 @@ from agentstate.errors import (
     AgentStateError,
     ConflictError,
     CorruptDataError,
+    InvalidArgumentError,
     KVShapeError,
     SessionNotFoundError,
     SpecMismatchError,
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentstate.sessions")
 _FORCE_RETRIES = 16
+_PASSED = "\x7f"
+"""gc's expiry cursor once a pass has checked every session (sorts after every valid id)"""
 
 
 class Sessions:
@@ -385,28 +389,74 @@ class Sessions:
     async def gc(self) -> int:
         """Delete expired sessions, then chunks and tails nothing references; returns how many went.
 
-        Local catalog: every local durable tier is swept, and a key goes only when the catalog's
-        count (tails counted too) is zero and nothing pins it, decided after it is marked, so a
-        commit running beside gc never loses what it names. Shared catalog: mark and sweep,
-        every tier of this host and the remote tiers, where a chunk is deleted only if unused
-        for `gc_grace_seconds` (a snapshot on another host may be about to name it).
+        Local catalog: a whole pass of `gc_step` (steps of `gc_step_keys`): every local durable
+        tier is swept, and a key goes only when the catalog's count (tails counted too) is zero
+        and nothing pins it, decided after it is marked, so a commit running beside gc never
+        loses what it names. Shared catalog: mark and sweep, every tier of this host and the
+        remote tiers, where a chunk is deleted only if unused for `gc_grace_seconds` (a
+        snapshot on another host may be about to name it); that needs every manifest at once.
         """
-        removed = 0
-        for manifest in await self.catalog.manifests(self.tenant):
-            if self._hit_known(manifest).expired():
-                with contextlib.suppress(SessionNotFoundError):
-                    await self.delete(manifest.session_id)
-                    removed += 1
         if self.catalog.shared:
+            removed = await self._expire(None)
             live = await self.catalog.prefix_keys()
             for manifest in await self.catalog.manifests(None):
                 live.update(manifest.chunk_keys)
                 if manifest.tail_key:
                     live.add(manifest.tail_key)
             return removed + await self.scope.freeing(lambda: self.chunks.sweep_shared(self.scope.key_prefixes, live))
-        return removed + await self.scope.freeing(
-            lambda: self.chunks.sweep(self.scope.key_prefixes, self.catalog.refcounts)
+        step = await self.gc_step(self.config.gc_step_keys, restart=True)
+        removed = step.removed
+        while not step.done:
+            step = await self.gc_step(self.config.gc_step_keys)
+            removed += step.removed
+        return removed
+
+    async def gc_step(self, limit: int, *, restart: bool = False) -> GcStep:
+        """One bounded step of gc (local catalog): this tenant's next `limit` sessions checked
+        for expiry and the next `limit` stored keys swept, each from where the last step stopped
+        (`restart`: from the start). A step costs the same in a store of a thousand sessions
+        and of millions; `done` says the pass reached the end of both (the next step starts over).
+        """
+        if self.catalog.shared:
+            raise InvalidArgumentError("gc steps need a local catalog; a shared one is swept whole (gc)")
+        if limit < 1:
+            raise InvalidArgumentError(f"a gc step takes at least one key, not {limit}")
+        restart = restart or self.tenant not in self.scope.gc_after
+        after = "" if restart else self.scope.gc_after[self.tenant]
+        page = await self.catalog.manifest_page(self.tenant, after, limit) if after != _PASSED else []
+        expired = await self._expire(page)
+        self.scope.gc_after[self.tenant] = page[-1].session_id if len(page) == limit else _PASSED
+        sweep = await self.scope.freeing(
+            lambda: self.chunks.sweep_step(self.scope.key_prefixes, self.catalog.refcounts, limit, restart=restart)
         )
+        done = len(page) < limit and sweep.done
+        if done:
+            del self.scope.gc_after[self.tenant]
+        return GcStep(removed=expired + sweep.removed, sessions=len(page), keys=sweep.scanned, done=done)
+
+    async def _expire(self, manifests: Sequence[SessionManifest] | None) -> int:
+        """Delete the expired sessions among `manifests` (None: all of this tenant's)."""
+        removed = 0
+        for manifest in await self.catalog.manifests(self.tenant) if manifests is None else manifests:
+            if self._hit_known(manifest).expired():
+                with contextlib.suppress(SessionNotFoundError):
+                    await self.delete(manifest.session_id)
+                    removed += 1
+        return removed
+
+
+@dataclass(frozen=True)
+class GcStep:
+    """What one step of gc did."""
+
+    removed: int
+    """expired sessions, and chunks and tails nothing referenced"""
+    sessions: int
+    """sessions checked for expiry"""
+    keys: int
+    """stored keys swept"""
+    done: bool
+    """the pass reached the end: the next step starts a new one"""
 
 
 def _key_tokens(manifest: SessionManifest) -> list[int]:

@@ -158,6 +158,7 @@ class StateStore:
     done = _session_op(Sessions.done)
     usage = _session_op(Sessions.usage)
     gc = _session_op(Sessions.gc)
+    gc_step = _session_op(Sessions.gc_step)
 
     async def put_records(self, session_id: str, items: Mapping[str, bytes]) -> None:
         """Keep framework state beside a session (`agentstate.records`): name -> bytes, all or none."""

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import lmdb
 from agentstate.backends.base import Backend, BackendStats, ReadSink, disk_full, io_pool
-from agentstate.backends.lmdb_env import lmdb_error, open_env
+from agentstate.backends.lmdb_env import close_env, lmdb_error, open_env
 from agentstate.backends.value_log import Pointer, ValueLog
 
 from agentstate.errors import BackendError, CapacityError, CorruptDataError, InvalidArgumentError
@@ -509,7 +509,7 @@ class LMDBBackend(Backend):
         self._closed = True
         self._pool.shutdown(wait=True)
         self._log.close()
-        self._env.close()
+        close_env(self._env, self.path)
 
 
 def _pointers(txn: lmdb.Transaction) -> Iterator[tuple[bytes, Pointer]]:

@@ -12,6 +12,15 @@ B-tree with plain reads (`os.pread`), and every page in use, every node and ever
 inside the file and inside its page. That reads the branch and leaf pages (what listing the keys
 reads anyway), not the values.
 
+The walk reads every branch and leaf page, so it grows with the store (about a second per
+100,000 small chunks). A clean close records what the data file looked like (`close_env`: its
+last transaction, size, inode, mtime and ctime, in `checked.json` beside it); an open that finds
+the file exactly so skips the walk. The kernel sets a file's ctime on every change to it
+(truncation and writes included) and no user call can set it back, so a match means nothing
+touched the file since a close that either walked it or wrote it through LMDB from a walked state.
+A crash leaves the file changed since its last record, so the open after it walks. Not defended:
+damage below the filesystem (the media), which changes no ctime; values carry their own checksums.
+
 "In use" is not "below the last page number the meta page records": LMDB can commit with its
 highest page numbers allocated but free and never written, so a healthy file may be shorter than
 `(last_pgno + 1) * psize`; only a page some tree reaches must be in the file.
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import mmap
 import os
 import struct
@@ -90,7 +100,8 @@ def open_env(path: str | Path, what: str, *, size_key: str | None = None, **kwar
                 raise _size_error(what, path, size_key, map_size, str(exc)) from exc
             raise lmdb_error(exc, f"cannot open {what} at {path}") from exc
         try:
-            _check_extent(env, file, what)
+            if not _unchanged(env, file):
+                _check_extent(env, file, what)
         except BaseException:
             env.close()
             raise
@@ -101,6 +112,48 @@ def open_env(path: str | Path, what: str, *, size_key: str | None = None, **kwar
                     (path / name).unlink()
         raise
     return env
+
+
+STAMP_FILE = "checked.json"
+_STAMPED = ("st_size", "st_ino", "st_dev", "st_mtime_ns", "st_ctime_ns")
+
+
+def close_env(env: lmdb.Environment, path: str | Path) -> None:
+    """Close an environment this process opened through `open_env`, flushed, and record what its
+    data file looks like now, so that the next open can skip the walk (a record that cannot be
+    written costs that open the walk, nothing else)."""
+    path = Path(path)
+    try:
+        env.sync(True)
+        txnid = env.info()["last_txnid"]
+    except lmdb.Error:
+        env.close()
+        return
+    env.close()
+    stamp = path / STAMP_FILE
+    tmp = path / f"{STAMP_FILE}.{os.getpid()}.tmp"
+    try:
+        st = os.stat(path / DATA_FILE)
+        tmp.write_text(json.dumps({"txnid": txnid, **{k: getattr(st, k) for k in _STAMPED}}))
+        os.replace(tmp, stamp)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _unchanged(env: lmdb.Environment, file: Path) -> bool:
+    """Whether the data file is exactly as a clean close recorded it (then it needs no walk). Any
+    doubt (no record, a malformed one, one field different) is a no."""
+    try:
+        raw = json.loads((file.parent / STAMP_FILE).read_text())
+        st = os.stat(file)
+        return (
+            isinstance(raw, dict)
+            and raw.get("txnid") == env.info()["last_txnid"]
+            and all(type(raw.get(k)) is int and raw[k] == getattr(st, k) for k in _STAMPED)
+        )
+    except (OSError, ValueError, lmdb.Error):
+        return False
 
 
 def _enomem(exc: lmdb.Error) -> bool:

@@ -46,6 +46,13 @@ class Catalog(ABC):
     async def manifests(self, tenant: str | None = None) -> list[SessionManifest]:
         """Every manifest of `tenant` (None: of every tenant), expired ones included."""
 
+    async def manifest_page(self, tenant: str, after: str, limit: int) -> list[SessionManifest]:
+        """Up to `limit` manifests of `tenant` whose session ids sort after `after`, in id order
+        (what one step of gc's expiry reads). This default lists them all; a catalog that keeps
+        them in order reads only the page."""
+        found = sorted((m for m in await self.manifests(tenant) if m.session_id > after), key=lambda m: m.session_id)
+        return found[:limit]
+
     async def version(self, tenant: str, session_id: str) -> int:
         manifest = await self.get(tenant, session_id)
         return manifest.version if manifest else 0

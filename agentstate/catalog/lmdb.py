@@ -22,7 +22,7 @@ from typing import TypeVar
 import lmdb
 
 from agentstate.backends.base import disk_full
-from agentstate.backends.lmdb_env import DATA_FILE, lmdb_error, open_env
+from agentstate.backends.lmdb_env import DATA_FILE, close_env, lmdb_error, open_env
 from agentstate.catalog.base import Catalog, Committed, named_keys
 from agentstate.errors import AgentStateError, BackendError, CapacityError, ConflictError
 from agentstate.manifest import SessionManifest, decode_manifest, encode_manifest
@@ -189,6 +189,20 @@ class LMDBCatalog(Catalog):
                 found = cursor.set_range(prefix)
                 out = []
                 while found and cursor.key().startswith(prefix):
+                    out.append(self._with_hit(txn, bytes(cursor.key()), cursor.value()))
+                    found = cursor.next()
+            return out
+
+        return await self._run(run)
+
+    async def manifest_page(self, tenant: str, after: str, limit: int) -> list[SessionManifest]:
+        def run() -> list[SessionManifest]:
+            prefix = f"{tenant}/".encode()
+            with self._env.begin() as txn:
+                cursor = txn.cursor(db=self._sessions)
+                found = cursor.set_range(prefix + after.encode() + b"\x00" if after else prefix)
+                out: list[SessionManifest] = []
+                while found and len(out) < limit and cursor.key().startswith(prefix):
                     out.append(self._with_hit(txn, bytes(cursor.key()), cursor.value()))
                     found = cursor.next()
             return out
@@ -390,4 +404,4 @@ class LMDBCatalog(Catalog):
 
     async def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._env.close()
+        close_env(self._env, self._path)

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 from collections import Counter
-from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -93,6 +93,16 @@ class EvictResult(BaseModel):
     used_after: int
 
 
+@dataclass(frozen=True)
+class SweepStep:
+    """What one step of gc's sweep did."""
+
+    removed: int
+    scanned: int
+    done: bool
+    """the step reached the last stored key: the next step starts a new pass"""
+
+
 class ChunkStore:
     """Chunks of one ModelSpec over ordered tiers; open with `await ChunkStore(...).open(prefixes)`.
 
@@ -143,6 +153,9 @@ class ChunkStore:
         """keys a `warm` is bringing up into host memory: a read of them waits for it instead of
         reading the same bytes from the slow tier a second time"""
         self._counts: Counter[str] = Counter()  # prefetch_timeouts, gc_removed
+        self._sweep: tuple[tuple[str, ...], AsyncIterator[str] | None] | None = None
+        """where gc's sweep stands: its prefixes and the keys it has not reached yet (None: all reached)"""
+        self._sweep_lock = asyncio.Lock()
         self._closed = False
 
     def _tier(self, cfg: TierConfig) -> Tier:
@@ -321,7 +334,8 @@ class ChunkStore:
         """Per tier, how many of `keys` it holds (as this process knows) and their stored bytes."""
         out: dict[str, tuple[int, int]] = {}
         for tier in self._manager.tiers:
-            held = [k for k in dict.fromkeys(keys) if k and self._index.holds(k, tier.name)]
+            unique = [k for k in dict.fromkeys(keys) if k]
+            held = [k for k, hit in zip(unique, await self._manager.known_in(tier, unique)) if hit]
             if tier.capacity is not None:
                 sizes = [tier.sizes.get(k, 0) for k in held]
             else:
@@ -350,7 +364,9 @@ class ChunkStore:
             self._manager.note(self._record, keys, present)
             return [i for i, hit in enumerate(present) if not hit]
         if durable:
-            return [i for i, k in enumerate(keys) if not self._index.holds(k, self._record.name)]
+            held = await self._manager.known_in(self._record, keys)
+            return [i for i, hit in enumerate(held) if not hit]
+        await self._manager.discover(keys)
         return [i for i, k in enumerate(keys) if not self._index.tiers_of(k)]
 
     async def durable(self, keys: Sequence[str]) -> bool:
@@ -458,14 +474,42 @@ class ChunkStore:
             done.set_result(None)
         return dead
 
-    async def sweep(self, prefixes: Sequence[str], refcounts: RefCounts) -> int:
-        """gc of every local durable tier: delete what is stored under `prefixes` that nothing
-        references (crash leftovers, copies of snapshots that never committed)."""
-        found = await self._local_keys(prefixes)
-        removed = len(await self.collect([k for keys in found.values() for k in keys], refcounts))
-        self._counts["gc_removed"] += removed
-        await self._reclaim()
-        return removed
+    async def sweep_step(
+        self, prefixes: Sequence[str], refcounts: RefCounts, limit: int, *, restart: bool = False
+    ) -> SweepStep:
+        """One step of gc over the local durable tiers: the next `limit` keys stored under
+        `prefixes` after where the last step stopped (`restart`: from the first), each deleted if
+        nothing references or pins it. A step's cost is bounded by `limit`, whatever the store
+        holds; a pass is done when a step reaches the last key (later steps find nothing until
+        one restarts). Keys are listed page by page in
+        key order, so keys written or deleted during a pass are seen or skipped, never harmed:
+        a new key is pinned until its commit names it."""
+        if limit < 1:
+            raise InvalidArgumentError(f"a gc step takes at least one key, not {limit}")
+        async with self._sweep_lock:
+            cursor = tuple(prefixes)
+            if restart or self._sweep is None or self._sweep[0] != cursor:
+                self._sweep = (cursor, aiter(self._stored_keys(cursor)))
+            keys: list[str] = []
+            if (rest := self._sweep[1]) is not None:
+                async for key in rest:
+                    keys.append(key)
+                    if len(keys) >= limit:
+                        break
+            done = len(keys) < limit
+            if done:
+                self._sweep = (cursor, None)  # this pass is over: steps do nothing until a restart
+            removed = len(await self.collect(keys, refcounts)) if keys else 0
+            self._counts["gc_removed"] += removed
+            if removed or done:
+                await self._reclaim()
+            return SweepStep(removed=removed, scanned=len(keys), done=done)
+
+    async def _stored_keys(self, prefixes: Sequence[str]) -> AsyncIterator[str]:
+        for tier in self._local_durable():
+            for prefix in prefixes:
+                async for key in tier.backend.keys(prefix):
+                    yield key
 
     async def _reclaim(self) -> None:
         """After gc's deletes: local durable tiers give back what they only marked deleted."""
@@ -494,15 +538,18 @@ class ChunkStore:
         return removed
 
     async def adopt(self, prefixes: Iterable[str]) -> None:
-        """Account for what the local durable tiers hold under `prefixes` (after a restart, or a
-        namespace an adapter owns)."""
-        await self._manager.adopt_existing(await self._local_keys(prefixes))
+        """Account for what the local durable tiers with a capacity hold under `prefixes` (after a
+        restart): their eviction needs every size. The others (LMDB, files: `Tier.lazy`) are not
+        listed; the index asks them about a key when it does not know it."""
+        eager = [t for t in self._local_durable() if not t.lazy]
+        await self._manager.adopt_existing(await self._local_keys(prefixes, eager))
 
-    async def _local_keys(self, prefixes: Iterable[str]) -> dict[str, list[str]]:
-        """What each local durable tier stores under `prefixes` (asks the backends, not the index)."""
+    async def _local_keys(self, prefixes: Iterable[str], tiers: Sequence[Tier] | None = None) -> dict[str, list[str]]:
+        """What each local durable tier (or each of `tiers`) stores under `prefixes` (asks the
+        backends, not the index)."""
         prefixes = list(prefixes)
         found: dict[str, list[str]] = {}
-        for tier in self._local_durable():
+        for tier in self._local_durable() if tiers is None else tiers:
             found[tier.name] = [k for p in prefixes async for k in tier.backend.keys(p)]
         return found
 

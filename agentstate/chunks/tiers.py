@@ -58,6 +58,15 @@ class Tier:
         return self.backend.name
 
     @property
+    def lazy(self) -> bool:
+        """A local durable tier without a capacity (LMDB, files): the index learns what it holds
+        when a key is asked for (`TierManager.known_in`), never by listing it at open, so opening
+        a store costs the same at a thousand chunks and at ten million. Nothing but this process
+        writes it (the data directory's lock), so what the index learned stays true until this
+        process deletes it."""
+        return self.capacity is None and self.backend.durable and not self.backend.remote
+
+    @property
     def sizes(self) -> Mapping[str, int]:
         """Key -> stored bytes of what the tier holds (the mapping holds track)."""
         return self.policy.sizes
@@ -130,7 +139,8 @@ class TierManager:
         return self.tiers[self._pos[tier.name] + 1 :]
 
     async def adopt_existing(self, keys_by_tier: dict[str, list[str]]) -> None:
-        """Account for what persistent tiers already hold (after a restart)."""
+        """Account for what persistent tiers with a capacity already hold (after a restart): their
+        eviction needs every size. Lazy tiers are learnt key by key instead (`known_in`)."""
         for name, keys in keys_by_tier.items():
             tier = self.tier(name)
             sizes = await tier.backend.sizes(keys) if tier.capacity is not None else [0] * len(keys)
@@ -170,8 +180,40 @@ class TierManager:
                     "tier %s: put of %d chunks failed (%s); continuing without it", tier.name, len(keys), result
                 )
 
+    async def known_in(self, tier: Tier, keys: Sequence[str]) -> list[bool]:
+        """Whether `tier` holds each key, as far as this process can tell without a remote call:
+        the index, and for a lazy tier its backend about the keys the index does not list (one
+        batched lookup; what it finds is learnt). Exact for keys pinned and settled (no delete of
+        them in flight): what a dedupe and a fork rely on."""
+        if tier.lazy:
+            ask = [k for k in dict.fromkeys(keys) if k and not self.index.holds(k, tier.name)]
+            if ask:
+                found = [k for k, hit in zip(ask, await tier.backend.exists(ask)) if hit]
+                for key in found:
+                    tier.add(key, 0)
+                self.index.add(found, tier.name)
+        return [self.index.holds(k, tier.name) for k in keys]
+
+    async def held_below(self, tier: Tier, keys: Sequence[str]) -> list[bool]:
+        """Whether some tier below `tier` holds each key (what eviction asks before dropping a copy)."""
+        held = [False] * len(keys)
+        for below in self._below(tier):
+            todo = [i for i, h in enumerate(held) if not h]
+            if not todo:
+                break
+            for i, hit in zip(todo, await self.known_in(below, [keys[i] for i in todo])):
+                held[i] = hit
+        return held
+
     async def discover(self, keys: Sequence[str]) -> None:
-        """Ask remote tiers, in one batched call each, about keys the index does not know."""
+        """Make the index answer for `keys`: lazy local tiers are asked about keys no durable tier
+        is known to hold, remote tiers (one batched call each) about keys no tier is known to hold."""
+        keys = list(dict.fromkeys(keys))
+        durable = [t for t in self.tiers if t.backend.durable]
+        ask = [k for k in keys if not any(self.index.holds(k, t.name) for t in durable)]
+        for tier in self.tiers:
+            if ask and tier.lazy:
+                ask = [k for k, hit in zip(ask, await self.known_in(tier, ask)) if not hit]
         unknown = [k for k in keys if not self.index.tiers_of(k)]
         for tier in self.tiers:
             if unknown and tier.backend.remote:
@@ -249,7 +291,8 @@ class TierManager:
         if spill:
             self.counts[f"{tier.name}_full"] += len(spill)
             below = self._below(tier)
-            orphans = [(k, originals[k]) for k, _ in spill if not any(self.index.holds(k, t.name) for t in below)]
+            below_held = await self.held_below(tier, [k for k, _ in spill])
+            orphans = [(k, originals[k]) for (k, _), held in zip(spill, below_held) if not held]
             if orphans and below:
                 await self.put(below[0], [k for k, _ in orphans], [v for _, v in orphans])
             elif orphans:
@@ -298,7 +341,7 @@ class TierManager:
     async def evict(self, tier: Tier, key: str) -> None:
         """Drop `key` from a cache tier, writing it down first when no tier below holds it."""
         below = self._below(tier)
-        if below and not any(self.index.holds(key, t.name) for t in below):
+        if below and not (await self.held_below(tier, [key]))[0]:
             value = await self.read_bytes(tier, key)
             if value is not None:
                 self.index.pin([key])
@@ -351,9 +394,8 @@ class TierManager:
                 moved = [k for k in values if self.index.holds(k, upper[-1].name)]
                 await self._remove(tier, moved)
         if self.policy == "write_through_selective" and account:
-            hot = [
-                k for k in keys if self.index.hits(k) >= self.threshold and not self.index.holds(k, self.record.name)
-            ]
+            warm = [k for k in keys if self.index.hits(k) >= self.threshold]
+            hot = [k for k, held in zip(warm, await self.known_in(self.record, warm)) if not held]
             if hot:
                 held = [(k, await self.read_bytes(tier, k)) for k in hot]
                 await self.put(

@@ -151,10 +151,14 @@ class Transfer:
     ) -> list[bool]:
         ok = [False] * len(keys)
         pending = list(range(len(keys)))
+        index = self.manager.index
+        await self.manager.discover([k for k in keys if not index.tiers_of(k)])
         for tier in self.manager.tiers:
             if not pending:
                 break
-            todo = [i for i in pending if self.manager.index.holds(keys[i], tier.name)]
+            if tier.lazy:  # what failed above (a damaged copy) may still be here: asked, not assumed absent
+                await self.manager.known_in(tier, [keys[i] for i in pending])
+            todo = [i for i in pending if index.holds(keys[i], tier.name)]
             if todo:
                 got = await self._read_tier(
                     tier, [keys[i] for i in todo], [tokens[i] for i in todo], _remap(deliver, todo), staged,

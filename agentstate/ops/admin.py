@@ -193,24 +193,43 @@ async def stats(store: StateStore) -> StatsReport:
     unique += sum(stored_size(store.spec, m.tail_tokens) for m in tails)
     record = store.chunks.record_tier
     spaces = {s.report: len(await store.chunks.scan(record, f"{s.prefix}{store.fingerprint}/")) for s in key_spaces()}
+    figures = await store.stats()
+    stored = {t.name: t.items for t in figures.tiers}
     return StatsReport(
-        path=str(store.config.path), spec=store.spec, chunk_tokens=store.chunk_tokens, store=await store.stats(),
-        tiers=[_tier_info(t) for t in store.chunks.tier_info()], tenant_sessions=len(found),
+        path=str(store.config.path), spec=store.spec, chunk_tokens=store.chunk_tokens, store=figures,
+        tiers=[_tier_info(t, stored) for t in store.chunks.tier_info()], tenant_sessions=len(found),
         session_tokens=sum(m.num_tokens for m in found), unique_chunks=len(chunks), tails=len(tails),
         logical_bytes=sum(_row(store, m).bytes for m in found), unique_bytes=unique,
         **spaces,
     )  # fmt: skip
 
 
-def _tier_info(tier: ChunkTierInfo) -> TierInfo:
+def _tier_info(tier: ChunkTierInfo, stored: dict[str, int]) -> TierInfo:
+    """A local durable tier's chunks are what its backend stores (the index learns those lazily:
+    it knows only what was asked for since open); the others', what the index knows."""
+    local = tier.durable and not tier.remote and tier.capacity_bytes is None
     return TierInfo(
         name=tier.name, record=tier.record, durable=tier.durable, remote=tier.remote,
-        capacity_bytes=tier.capacity_bytes, chunks=tier.chunks,
+        capacity_bytes=tier.capacity_bytes, chunks=stored.get(tier.name, tier.chunks) if local else tier.chunks,
     )  # fmt: skip
 
 
-async def gc(store: StateStore) -> GcReport:
-    return GcReport(removed=await store.gc())
+async def gc(store: StateStore, progress: Progress = QUIET) -> GcReport:
+    """A whole gc pass, in steps (`gc_step_keys` each) shown as they go; a shared catalog's gc is
+    one mark and sweep."""
+    if store.catalog.shared:
+        return GcReport(removed=await store.gc())
+    local = [t.name for t in store.chunks.tier_info() if t.durable and not t.remote]
+    progress.start("gc: sweeping stored keys", sum(t.items for t in await store.chunks.stats() if t.name in local))
+    limit = store.config.gc_step_keys
+    step = await store.gc_step(limit, restart=True)
+    removed = step.removed
+    progress.advance(step.keys)
+    while not step.done:
+        step = await store.gc_step(limit)
+        removed += step.removed
+        progress.advance(step.keys)
+    return GcReport(removed=removed)
 
 
 EvictReport = EvictResult

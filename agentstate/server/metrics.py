@@ -239,8 +239,9 @@ class StoreCollector(Collector):
         tier = ["tier"]
         info = GaugeMetricFamily("agentstate_tier_info", "A configured tier (value 1).",
                                  labels=["tier", "kind", "durable", "remote", "record"])  # fmt: skip
-        chunks = GaugeMetricFamily("agentstate_tier_chunks", "Chunks this process knows a tier holds (a remote tier: "
-                                   "those it wrote or found there, not the store's total).", labels=tier)  # fmt: skip
+        chunks = GaugeMetricFamily("agentstate_tier_chunks", "Chunks this process knows a tier holds (a remote tier, or "
+                                   "LMDB and file tiers, learnt lazily: those it wrote or found there since open, not the"
+                                   " tier's total; `agentstate stats` counts those).", labels=tier)  # fmt: skip
         used = GaugeMetricFamily("agentstate_tier_bytes_used", "Bytes a local tier stores: value bytes of a capacity-"
                                  "managed tier (host, device, file), pages in use of LMDB plus its value log's segment files. Remote tiers: see "
                                  "agentstate_tier_written_bytes_total and agentstate_remote_memory_*.", labels=tier)  # fmt: skip
