@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agentstate.catalog import Committed, named_keys
+from agentstate.chunks import SweepCursor
 from agentstate.errors import (
     AgentStateError,
     ConflictError,
@@ -42,8 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentstate.sessions")
 _FORCE_RETRIES = 16
-_PASSED = "\x7f"
-"""gc's expiry cursor once a pass has checked every session (sorts after every valid id)"""
 
 
 class Sessions:
@@ -404,34 +403,45 @@ class Sessions:
                 if manifest.tail_key:
                     live.add(manifest.tail_key)
             return removed + await self.scope.freeing(lambda: self.chunks.sweep_shared(self.scope.key_prefixes, live))
-        step = await self.gc_step(self.config.gc_step_keys, restart=True)
+        cursor, limit = self._gc_cursor(), self.config.gc_step_keys
+        step = await self._gc_step(cursor, limit)
         removed = step.removed
         while not step.done:
-            step = await self.gc_step(self.config.gc_step_keys)
+            step = await self._gc_step(cursor, limit)
             removed += step.removed
         return removed
 
     async def gc_step(self, limit: int, *, restart: bool = False) -> GcStep:
         """One bounded step of gc (local catalog): this tenant's next `limit` sessions checked
-        for expiry and the next `limit` stored keys swept, each from where the last step stopped
-        (`restart`: from the start). A step costs the same in a store of a thousand sessions
-        and of millions; `done` says the pass reached the end of both (the next step starts over).
+        for expiry and the next `limit` stored keys swept, each from where this tenant's last
+        step stopped (`restart`, or the last pass done: from the start). A step costs the same in
+        a store of a thousand sessions and of millions; `done` says the pass reached the end of
+        both. Steps of one tenant share one pass; `gc()` runs a whole pass of its own.
         """
         if self.catalog.shared:
             raise InvalidArgumentError("gc steps need a local catalog; a shared one is swept whole (gc)")
+        cursor = None if restart else self.scope.gc_cursors.get(self.tenant)
+        if cursor is None:
+            cursor = self.scope.gc_cursors[self.tenant] = self._gc_cursor()
+        step = await self._gc_step(cursor, limit)
+        if step.done and self.scope.gc_cursors.get(self.tenant) is cursor:
+            del self.scope.gc_cursors[self.tenant]
+        return step
+
+    def _gc_cursor(self) -> GcCursor:
+        return GcCursor(sweep=self.chunks.sweep_cursor(self.scope.key_prefixes))
+
+    async def _gc_step(self, cursor: GcCursor, limit: int) -> GcStep:
         if limit < 1:
             raise InvalidArgumentError(f"a gc step takes at least one key, not {limit}")
-        restart = restart or self.tenant not in self.scope.gc_after
-        after = "" if restart else self.scope.gc_after[self.tenant]
-        page = await self.catalog.manifest_page(self.tenant, after, limit) if after != _PASSED else []
+        page = await self.catalog.manifest_page(self.tenant, cursor.after, limit) if not cursor.expired else []
+        if len(page) < limit:
+            cursor.expired = True
+        else:
+            cursor.after = page[-1].session_id
         expired = await self._expire(page)
-        self.scope.gc_after[self.tenant] = page[-1].session_id if len(page) == limit else _PASSED
-        sweep = await self.scope.freeing(
-            lambda: self.chunks.sweep_step(self.scope.key_prefixes, self.catalog.refcounts, limit, restart=restart)
-        )
-        done = len(page) < limit and sweep.done
-        if done:
-            del self.scope.gc_after[self.tenant]
+        sweep = await self.scope.freeing(lambda: self.chunks.sweep_step(cursor.sweep, self.catalog.refcounts, limit))
+        done = cursor.expired and sweep.done
         return GcStep(removed=expired + sweep.removed, sessions=len(page), keys=sweep.scanned, done=done)
 
     async def _expire(self, manifests: Sequence[SessionManifest] | None) -> int:
@@ -443,6 +453,16 @@ class Sessions:
                     await self.delete(manifest.session_id)
                     removed += 1
         return removed
+
+
+@dataclass
+class GcCursor:
+    """Where one gc pass stands: the last session id its expiry reached, and its sweep."""
+
+    sweep: SweepCursor
+    after: str = ""
+    expired: bool = False
+    """every session was checked"""
 
 
 @dataclass(frozen=True)

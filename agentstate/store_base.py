@@ -12,7 +12,7 @@ import copy
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from typing_extensions import Self
 
@@ -57,8 +57,8 @@ class StoreScope:
         """one writer at a time per tenant/session (shared by every tenant view)"""
         self.room = StandingReserve([] if read_only else local_dirs(config), config.disk_reserve_bytes)
         """room held free on the local disks for deletes that meet a full disk (see `freeing`)"""
-        self.gc_after: dict[str, str] = {}
-        """tenant -> the last session id gc's expiry step reached (shared by every tenant view)"""
+        self.gc_cursors: dict[str, Any] = {}
+        """tenant -> where its `gc_step` pass stands (a GcCursor; shared by every tenant view)"""
         self._owner = True
 
     def for_tenant(self, tenant: str) -> Self:

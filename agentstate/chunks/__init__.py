@@ -8,7 +8,7 @@ insides.
 from agentstate.chunks.io import batches
 from agentstate.datadir.lock import DataDirLock
 from agentstate.chunks.prefetch import PrefetchHandle, PrefetchPolicy, deadline_for
-from agentstate.chunks.store import ChunkStore, EvictResult, TierInfo
+from agentstate.chunks.store import ChunkStore, EvictResult, SweepCursor, SweepStep, TierInfo
 from agentstate.chunks.tiers import Value
 from agentstate.chunks.transfer import Span
 
@@ -19,6 +19,8 @@ __all__ = [
     "PrefetchHandle",
     "PrefetchPolicy",
     "Span",
+    "SweepCursor",
+    "SweepStep",
     "TierInfo",
     "Value",
     "batches",

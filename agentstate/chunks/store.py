@@ -93,6 +93,32 @@ class EvictResult(BaseModel):
     used_after: int
 
 
+class SweepCursor:
+    """Where one gc pass over the stored keys stands: the keys it has not reached yet."""
+
+    def __init__(self, keys: AsyncIterator[str]) -> None:
+        self._keys: AsyncIterator[str] | None = keys
+        self._lock = asyncio.Lock()
+
+    @property
+    def done(self) -> bool:
+        """Every key was reached."""
+        return self._keys is None
+
+    async def take(self, limit: int) -> list[str]:
+        """The next `limit` keys of the pass (fewer at its end, then none)."""
+        async with self._lock:  # one listing at a time: steps of one pass may overlap
+            out: list[str] = []
+            if self._keys is not None:
+                async for key in self._keys:
+                    out.append(key)
+                    if len(out) >= limit:
+                        break
+                if len(out) < limit:
+                    self._keys = None
+            return out
+
+
 @dataclass(frozen=True)
 class SweepStep:
     """What one step of gc's sweep did."""
@@ -100,7 +126,7 @@ class SweepStep:
     removed: int
     scanned: int
     done: bool
-    """the step reached the last stored key: the next step starts a new pass"""
+    """the pass reached the last stored key"""
 
 
 class ChunkStore:
@@ -153,9 +179,6 @@ class ChunkStore:
         """keys a `warm` is bringing up into host memory: a read of them waits for it instead of
         reading the same bytes from the slow tier a second time"""
         self._counts: Counter[str] = Counter()  # prefetch_timeouts, gc_removed
-        self._sweep: tuple[tuple[str, ...], AsyncIterator[str] | None] | None = None
-        """where gc's sweep stands: its prefixes and the keys it has not reached yet (None: all reached)"""
-        self._sweep_lock = asyncio.Lock()
         self._closed = False
 
     def _tier(self, cfg: TierConfig) -> Tier:
@@ -474,36 +497,24 @@ class ChunkStore:
             done.set_result(None)
         return dead
 
-    async def sweep_step(
-        self, prefixes: Sequence[str], refcounts: RefCounts, limit: int, *, restart: bool = False
-    ) -> SweepStep:
-        """One step of gc over the local durable tiers: the next `limit` keys stored under
-        `prefixes` after where the last step stopped (`restart`: from the first), each deleted if
-        nothing references or pins it. A step's cost is bounded by `limit`, whatever the store
-        holds; a pass is done when a step reaches the last key (later steps find nothing until
-        one restarts). Keys are listed page by page in
-        key order, so keys written or deleted during a pass are seen or skipped, never harmed:
-        a new key is pinned until its commit names it."""
+    def sweep_cursor(self, prefixes: Sequence[str]) -> SweepCursor:
+        """A new gc pass over every key the local durable tiers store under `prefixes`."""
+        return SweepCursor(self._stored_keys(list(prefixes)))
+
+    async def sweep_step(self, cursor: SweepCursor, refcounts: RefCounts, limit: int) -> SweepStep:
+        """One step of gc over the local durable tiers: the next `limit` keys of `cursor`'s pass,
+        each deleted if nothing references or pins it. A step's cost is bounded by `limit`,
+        whatever the store holds. Keys are listed page by page in key order, so keys written or
+        deleted during a pass are seen or skipped, never harmed: a new key is pinned until its
+        commit names it."""
         if limit < 1:
             raise InvalidArgumentError(f"a gc step takes at least one key, not {limit}")
-        async with self._sweep_lock:
-            cursor = tuple(prefixes)
-            if restart or self._sweep is None or self._sweep[0] != cursor:
-                self._sweep = (cursor, aiter(self._stored_keys(cursor)))
-            keys: list[str] = []
-            if (rest := self._sweep[1]) is not None:
-                async for key in rest:
-                    keys.append(key)
-                    if len(keys) >= limit:
-                        break
-            done = len(keys) < limit
-            if done:
-                self._sweep = (cursor, None)  # this pass is over: steps do nothing until a restart
-            removed = len(await self.collect(keys, refcounts)) if keys else 0
-            self._counts["gc_removed"] += removed
-            if removed or done:
-                await self._reclaim()
-            return SweepStep(removed=removed, scanned=len(keys), done=done)
+        keys = await cursor.take(limit)
+        removed = len(await self.collect(keys, refcounts)) if keys else 0
+        self._counts["gc_removed"] += removed
+        if removed or cursor.done:
+            await self._reclaim()
+        return SweepStep(removed=removed, scanned=len(keys), done=cursor.done)
 
     async def _stored_keys(self, prefixes: Sequence[str]) -> AsyncIterator[str]:
         for tier in self._local_durable():
