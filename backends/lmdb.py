@@ -305,10 +305,12 @@ class LMDBBackend(Backend):
             try:
                 await loop.run_in_executor(self._pool, self._commit, batch)
             except Exception as exc:  # noqa: BLE001 - every waiter of the failed transaction gets the error
+                self._release(batch)
                 for op in batch:
                     if not op.done.done():  # type: ignore[union-attr]
                         op.done.set_exception(exc)  # type: ignore[union-attr]
                 continue
+            self._release(batch)
             for op in batch:
                 if not op.done.done() and not op.reclaim:  # type: ignore[union-attr]
                     op.done.set_result(None)  # type: ignore[union-attr]
@@ -321,6 +323,13 @@ class LMDBBackend(Backend):
             for op in batch:  # reclaim() callers: their pass is done (or failed, logged and counted)
                 if not op.done.done():  # type: ignore[union-attr]
                     op.done.set_result(None)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _release(batch: list[_WriteOp]) -> None:
+        """The transaction is over: the batch holds its writers' values no longer, so a writer that
+        reuses a stored value's buffer (`ChunkStore.recycle`) finds nothing else referencing it."""
+        for op in batch:
+            op.puts = []
 
     def _large(self, value: bytes | bytearray | memoryview) -> bool:
         return self.value_log_min_bytes is not None and self._ptrs is not None and len(value) >= self.value_log_min_bytes

@@ -169,3 +169,31 @@ async def test_sessions_stay_bit_exact_under_eviction_with_holds_and_pins_while_
     async with open_store(tiers=layout) as store:  # and every byte on disk after a restart
         for sid, (_, kv) in sessions.items():
             assert bits_equal((await store.resume(sid)).kv, kv), sid
+
+
+async def test_writes_to_copying_tiers_reuse_their_encode_buffers_and_stay_exact(open_store, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """Without a host tier (LMDB alone; Redis alone with a shared catalog) each stored value's buffer
+    serves the next encode of its size; what was stored before stays bit-exact, before and after a
+    reopen. With a host tier the buffers stay the tier's: none is recycled from under it."""
+    sessions = {f"s{i}": (random_tokens(4 * 64, seed=i), random_kv(SPEC4, 4 * 64, seed=i)) for i in range(6)}
+    layouts = {
+        "lmdb": {"tiers": [TierConfig(kind="lmdb")]},
+        "redis": {"tiers": [TierConfig(kind="redis", url=redis_server.url, prefix="arena-test:")],
+                  "catalog_url": redis_server.url, "catalog_prefix": "arena-test-catalog:"},
+        "host-lmdb": {},
+    }  # fmt: skip
+    for name, options in layouts.items():
+        async with open_store(**options) as store:
+            for sid, (tokens, kv) in sessions.items():
+                await store.snapshot(f"{name}-{sid}", tokens, kv)
+            counts = store.chunks.counters()
+            if name == "host-lmdb":
+                assert counts["scratch_reused"] == 0, "a buffer the host tier keeps was recycled"
+            else:
+                assert counts["scratch_reused"] >= 4 * (len(sessions) - 1), (name, counts)
+            for sid, (tokens, kv) in sessions.items():
+                result = await store.resume(f"{name}-{sid}")
+                assert result.complete and bits_equal(result.kv, kv), (name, sid)
+        async with open_store(**options) as store:
+            for sid, (tokens, kv) in sessions.items():
+                assert bits_equal((await store.resume(f"{name}-{sid}")).kv, kv), (name, sid, "reopened")

@@ -41,7 +41,8 @@ from agentstate.chunks.transfer import Span, Transfer
 from agentstate.config import StoreConfig, TierConfig
 from agentstate.datadir.lock import DataDirLock
 from agentstate.errors import InvalidArgumentError
-from agentstate.memory import Buffer, BufferPool, host_buffer
+from agentstate.arena import ValueArena
+from agentstate.memory import Buffer, BufferPool
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget
 
@@ -169,10 +170,14 @@ class ChunkStore:
         self._pool = io_pool(config.io_threads, "agentstate-cpu")
         self._io = IOEngine(config.io_depth)
         self._buffers = BufferPool(config.restore_pool_bytes)
+        self._scratch = ValueArena()
+        """buffers of values written to tiers that copy them (LMDB, files, Redis), reused by the next
+        encodes: without a host tier every snapshot would otherwise encode into fresh memory"""
+        self._scratch_room = config.io_depth * config.batch_bytes
         self._transfer = Transfer(
             spec=spec, manager=self._manager, io=self._io, pool=self._pool,
             batch_bytes=config.batch_bytes, promote=config.promote_on_read and not read_only, read_only=read_only,
-            buffer=self.value_buffer,
+            buffer=self.value_buffer, recycle=self.recycle,
         )  # fmt: skip
         self._deleting: dict[str, asyncio.Future[None]] = {}
         self._warming: dict[str, asyncio.Future[None]] = {}
@@ -197,12 +202,21 @@ class ChunkStore:
         return self
 
     def value_buffer(self, nbytes: int) -> Buffer:
-        """Where to write a value headed for host memory (an encode, a promotion's copy): a touched
-        buffer a tier recycles (the host tier's arena) when one of that size is free, else fresh memory."""
+        """Where to write a value (an encode, a promotion's copy): a touched buffer a tier recycles
+        (the host tier's arena) when one of that size is free, else one an earlier write left behind
+        (`recycle`), else fresh memory."""
         for tier in self._manager.tiers:
             if (buf := tier.backend.value_buffer(nbytes)) is not None:
                 return buf
-        return host_buffer(nbytes)
+        return self._scratch.take(nbytes)
+
+    def recycle(self, value: object) -> bool:
+        """Keep the buffer of an encoded value once it is stored, for the next encode of that size,
+        when no tier kept it (LMDB, files and Redis copy what they store; the host tier keeps the
+        buffer itself, and its reference makes this a no-op) and nothing else references it (the
+        arena's rule). Bounded by `io_depth` batches of `batch_bytes`: what writes have in flight.
+        Pass the value itself (`recycle(values.pop())`), holding no other name for it."""
+        return self._scratch.give(value, self._scratch_room)
 
     # -- what is where --------------------------------------------------------------------------
 
@@ -618,8 +632,10 @@ class ChunkStore:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:
+        scratch = self._scratch.stats()
         return {
             **self._transfer.counts, **self._manager.counts, **self._counts, "io_peak_in_flight": self._io.peak_in_flight,
+            "scratch_reused": scratch.reused, "scratch_fresh": scratch.fresh,
         }  # fmt: skip
 
     def tier_counters(self) -> dict[str, dict[str, int]]:

@@ -43,9 +43,12 @@ class Transfer:
         promote: bool,
         read_only: bool = False,
         buffer: Callable[[int], Buffer] = host_buffer,
+        recycle: Callable[[object], bool] = lambda value: False,
     ) -> None:
-        """`buffer(n)`: where a value headed for host memory is written (the host tier's arena)."""
+        """`buffer(n)`: where a value is written (the host tier's arena, or a recycled buffer);
+        `recycle(value)`: offered each encoded value once it is stored."""
         self.buffer = buffer
+        self.recycle = recycle
         self.spec = spec
         self.fingerprint = spec.fingerprint
         self.manager = manager
@@ -281,6 +284,8 @@ class Transfer:
             # group commit must not keep the next one from encoding.
             values = await self.io.run(lambda: loop.run_in_executor(self.pool, encode, run))
             await self.manager.store([keys[i] for i in run], values, durable=durable)
+            while values:  # stored: a buffer no tier kept serves the next encode (no fresh memory)
+                self.recycle(values.pop())
 
         jobs = [asyncio.ensure_future(job(run)) for run in batches(sizes, self.batch_bytes)]
         try:

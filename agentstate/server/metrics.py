@@ -106,6 +106,11 @@ _STORE_COUNTERS = {  # chunk-layer counter -> (family, help)
     "gc_removed": ("agentstate_gc_removed_chunks", "Chunks and tails gc removed (unreferenced)."),
     "demotions": ("agentstate_demotions", "Chunks written down to a slower tier before their eviction."),
     "cleanup_errors": ("agentstate_cleanup_errors", "Failed deletes of chunks a read found bad (retried later)."),
+    "scratch_reused": (
+        "agentstate_scratch_reused",
+        "Encodes written into the buffer of an earlier value a copying tier (LMDB, files, Redis) had stored.",
+    ),
+    "scratch_fresh": ("agentstate_scratch_fresh", "Encodes that found no such buffer of their size: fresh memory."),
 }
 
 
