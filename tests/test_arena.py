@@ -194,6 +194,8 @@ async def test_writes_to_copying_tiers_reuse_their_encode_buffers_and_stay_exact
             for sid, (tokens, kv) in sessions.items():
                 result = await store.resume(f"{name}-{sid}")
                 assert result.complete and bits_equal(result.kv, kv), (name, sid)
+            scratch = store.chunks._scratch
+        assert scratch.stats().free_bytes == 0, "a closed store kept its recycled buffers"
         async with open_store(**options) as store:
             for sid, (tokens, kv) in sessions.items():
                 assert bits_equal((await store.resume(f"{name}-{sid}")).kv, kv), (name, sid, "reopened")

@@ -688,6 +688,7 @@ class ChunkStore:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self._buffers.clear()
+            self._scratch.clear()  # a closed store keeps no memory, whoever still references it
             self._lock.release()
 
 
