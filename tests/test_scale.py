@@ -108,6 +108,21 @@ async def test_a_damaged_cache_copy_falls_back_to_the_lmdb_copy_the_index_never_
         assert "lmdb" in store.chunks.where(keys[1])
 
 
+async def test_a_key_remembered_absent_is_found_once_written(tmp_path: Path) -> None:
+    """Misses of a lazy tier are remembered (an engine asks about pages nobody stored, again and
+    again); a key written afterwards is found, and a reopened store asks afresh."""
+    open_store = opener(tmp_path / "d")
+    tokens, kv = random_tokens(3 * CHUNK, seed=11), random_kv(SPEC4, 3 * CHUNK, seed=11)
+    async with open_store() as store:
+        keys = store.chunk_keys(tokens)
+        assert (await store.match(tokens)).chunks == 0 and await store.chunks.present(keys) == [False] * 3
+        await store.put_prefix(tokens, kv)
+        assert (await store.match(tokens)).chunks == 3
+    async with open_store() as store:
+        assert await store.chunks.present(keys) == [True] * 3
+        assert (await store.match(tokens)).tiers == ["lmdb"] * 3
+
+
 # -- the LMDB open check -------------------------------------------------------------------------
 
 

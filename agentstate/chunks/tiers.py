@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import mmap
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -38,6 +38,8 @@ from agentstate.errors import AgentStateError, CapacityError, InvalidArgumentErr
 from agentstate.memory import copy_bytes
 
 log = logging.getLogger("agentstate.chunks.tiers")
+_ABSENT_KEYS = 1 << 16
+"""Misses of a lazy tier remembered (an engine asking about pages nobody stored, again and again)."""
 WritePolicy = Literal["write_through", "write_back", "write_through_selective"]
 Value = bytes | bytearray | mmap.mmap | memoryview
 
@@ -116,6 +118,9 @@ class TierManager:
         """(tier, what) -> amount: hits, misses, read_bytes, written_bytes, corrupt, evictions, promotions,
         put_errors (see `count`)"""
         self._pos = {t.name: i for i, t in enumerate(tiers)}
+        self._absent: dict[str, OrderedDict[str, None]] = {}
+        """per lazy tier, keys it was asked about and did not hold, newest last: asked again only
+        once forgotten (a put adds the key to the index, which `known_in` reads first)"""
 
     def count(self, tier: Tier, **amounts: int) -> None:
         """Add to one tier's counters (what the service exports per tier)."""
@@ -186,12 +191,19 @@ class TierManager:
         batched lookup; what it finds is learnt). Exact for keys pinned and settled (no delete of
         them in flight): what a dedupe and a fork rely on."""
         if tier.lazy:
-            ask = [k for k in dict.fromkeys(keys) if k and not self.index.holds(k, tier.name)]
+            absent = self._absent.setdefault(tier.name, OrderedDict())
+            ask = [k for k in dict.fromkeys(keys) if k and not self.index.holds(k, tier.name) and k not in absent]
             if ask:
-                found = [k for k, hit in zip(ask, await tier.backend.exists(ask)) if hit]
+                present = await tier.backend.exists(ask)
+                found = [k for k, hit in zip(ask, present) if hit]
                 for key in found:
                     tier.add(key, 0)
                 self.index.add(found, tier.name)
+                for key, hit in zip(ask, present):
+                    if not hit:
+                        absent[key] = None
+                while len(absent) > _ABSENT_KEYS:
+                    absent.popitem(last=False)
         return [self.index.holds(k, tier.name) for k in keys]
 
     async def held_below(self, tier: Tier, keys: Sequence[str]) -> list[bool]:
