@@ -124,10 +124,21 @@ async def test_two_hosts_share_prefixes_through_the_redis_tier(tmp_path: Path, r
     async with StateStore.open(tmp_path / "host-b", SPEC4, tiers=tiers, chunk_tokens=64) as b:
         m = await b.match(tokens)
         assert (m.tokens, m.tiers) == (256, ["redis"] * 4)
+        import redis.asyncio as aioredis
+
+        raw = aioredis.Redis.from_url(redis_server.url)
+        gets = (await raw.info("commandstats")).get("cmdstat_get", {}).get("calls", 0)
         into = torch.zeros_like(kv)
         assert await b.load(tokens, into) == 256 and bits_equal(into[:, :, :256], kv[:, :, :256])
         await b.flush()
         assert (await b.match(tokens)).tiers == ["host"] * 4  # promoted on the way
+        after = (await raw.info("commandstats"))["cmdstat_get"]["calls"]
+        assert after - gets == 4, "promotion read the chunks over the network again"  # the bytes read are reused
+        await raw.aclose()
+        again = torch.zeros_like(kv)
+        assert await b.load(tokens, again) == 256 and bits_equal(again[:, :, :256], kv[:, :, :256])
+        assert set(await b.chunks.resident(b.chunk_keys(tokens))) >= {"host", "lmdb"}
+        assert (await b.chunks.resident(b.chunk_keys(tokens)))["lmdb"][0] == 4  # promoted into LMDB too
     async with StateStore.open(tmp_path / "host-c", SPEC4, tiers=tiers, chunk_tokens=64) as c:
         handle = await c.prefetch(tokens)  # known only to Redis: found, then read in the background
         assert handle.keys and len(handle.keys) == 4 and await handle.wait()

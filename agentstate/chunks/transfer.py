@@ -192,7 +192,11 @@ class Transfer:
         status = ["missing"] * len(keys)
         sizes_read = [0] * len(keys)
         owned: dict[str, Value] = {}
-        keep_copy = staged is not None
+        promote = self.promote and promote
+        upper = tier is not self.manager.tiers[0]
+        # A remote tier's bytes are kept as they arrive when they will be promoted: a copy into a
+        # (recycled) host buffer now costs less than reading every chunk over the network again.
+        keep_copy = staged is not None or (promote and upper and tier.backend.remote)
         verify = not tier.backend.trusted
         dtype = self.spec.torch_dtype
 
@@ -243,10 +247,9 @@ class Transfer:
         if staged is not None:
             staged.update(owned)
         good = [i for i, s in enumerate(status) if s == "ok"]
-        promote = self.promote and promote
         await self.manager.hit(tier, [keys[i] for i in good], owned if promote else {}, account=account)
-        if promote and staged is None and good and tier is not self.manager.tiers[0]:
-            # Promote off the critical path: re-read the (now warm) chunks into owned buffers later.
+        if promote and not keep_copy and good and upper:
+            # Promote off the critical path: re-read the (now warm, local) chunks into owned buffers later.
             self._spawn(self._read_tier(tier, [keys[i] for i in good], [tokens[i] for i in good], None, {}, False))
         return [s == "ok" for s in status]
 
