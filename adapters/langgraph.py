@@ -55,7 +55,7 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from agentstate.adapters.agents import Bridge, Hinter, SessionBackend, ToolClock
-from agentstate.adapters.openai_channel import session_for
+from agentstate.adapters.openai_channel import mark_resuming, session_for
 from agentstate.errors import CorruptDataError, InvalidArgumentError, SessionNotFoundError
 
 __all__ = ["AgentStateHints", "AgentStateSaver", "session_for"]
@@ -360,9 +360,12 @@ class AgentStateHints(BaseCallbackHandler):
     module docstring). Pass it in the run's config: `graph.invoke(x, {"configurable": {"thread_id":
     t}, "callbacks": [AgentStateHints(saver.bridge)]})`."""
 
-    def __init__(self, bridge: Bridge, clock: ToolClock | None = None) -> None:
+    def __init__(self, bridge: Bridge, clock: ToolClock | None = None, *, priority: int | None = None) -> None:
+        """`priority`: the scheduling priority of a thread's first model call after a tool returns
+        (`openai_channel.mark_resuming`; for a vLLM server run with `--scheduling-policy priority`)."""
         self.hinter = Hinter(bridge)
         self.clock = clock or ToolClock()
+        self.priority = priority
         self._threads: dict[UUID, str] = {}
 
     @staticmethod
@@ -386,6 +389,8 @@ class AgentStateHints(BaseCallbackHandler):
         session = self._threads.pop(run_id, None)
         if session is not None:
             self.hinter.send(session, "resuming")
+            if self.priority is not None:
+                mark_resuming(session, self.priority)
 
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kw: Any) -> None:
         self.on_tool_end(None, run_id=run_id)

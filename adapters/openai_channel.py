@@ -18,6 +18,12 @@ What is added, never replacing what the caller set: `kv_transfer_params.agentsta
 (+ hint, expected_s when the turn carries them), and `cache_salt` = the turn's tenant when one is
 given (the engine's tenant, `cache_salt` in vLLM). A body that is not a JSON object, or larger than
 `MAX_BODY_BYTES`, is sent as it is.
+
+Opt-in, for an engine run with `--scheduling-policy priority` (vLLM; any other policy refuses a
+nonzero priority): `mark_resuming(session, priority)` (what the hints integrations call when a tool
+returns, if given a `priority`) makes that session's next model call carry `priority` (lower runs
+first), so an agent coming back from a tool, its KV held for it, is not queued behind newcomers'
+long prefills. Off unless asked for.
 """
 
 from __future__ import annotations
@@ -28,12 +34,12 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 
-from agentstate.errors import AgentStateError
+from agentstate.errors import AgentStateError, InvalidArgumentError
 from agentstate.hints import Hint
 from agentstate.keys import validate_id
 
@@ -63,6 +69,8 @@ class Turn:
     hints: tuple[str, ...] = ()
     expected_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    priority: int | None = None
+    """the request's scheduling priority (vLLM: lower first), None: the engine's default"""
 
     def params(self) -> dict[str, Any]:
         """The `agentstate` entry of `kv_transfer_params`."""
@@ -97,13 +105,33 @@ def turn(
         _turn.reset(token)
 
 
+_resuming: dict[str, int] = {}
+"""session -> the priority its next model call carries (`mark_resuming`)"""
+_MAX_MARKED = 1 << 16
+
+
+def mark_resuming(session_id: str, priority: int) -> None:
+    """The next model call of `session_id` (through these clients) carries `priority`: its tool
+    just returned. For an engine run with priority scheduling only (see the module doc)."""
+    if type(priority) is not int or not -(2**31) <= priority < 2**31:
+        raise InvalidArgumentError(f"priority must be a 32-bit int, not {priority!r}")
+    if len(_resuming) >= _MAX_MARKED:  # sessions marked and never called again: the oldest go
+        _resuming.pop(next(iter(_resuming)), None)
+    _resuming[session_for(session_id)] = priority
+
+
 def current_turn() -> Turn | None:
-    """The turn in context: `turn(...)`'s, else the running LangGraph thread's (see the module doc)."""
+    """The turn in context: `turn(...)`'s, else the running LangGraph thread's (see the module doc);
+    a session marked resuming carries its priority, once."""
     found = _turn.get()
-    if found is not None:
-        return found
-    thread = _langgraph_thread()
-    return None if thread is None else Turn(session_for(thread))
+    if found is None:
+        thread = _langgraph_thread()
+        if thread is None:
+            return None
+        found = Turn(session_for(thread))
+    if found.priority is None and (priority := _resuming.pop(found.session_id, None)) is not None:
+        found = replace(found, priority=priority)
+    return found
 
 
 def _langgraph_thread() -> object | None:
@@ -136,6 +164,8 @@ def with_session(request: httpx.Request, body: bytes, found: Turn) -> httpx.Requ
     doc["kv_transfer_params"] = {**params, "agentstate": found.params()}
     if found.tenant is not None and "cache_salt" not in doc:
         doc["cache_salt"] = found.tenant
+    if found.priority is not None and "priority" not in doc:
+        doc["priority"] = found.priority
     content = json.dumps(doc, separators=(",", ":")).encode()
     headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in ("content-length",)]
     return httpx.Request(request.method, request.url, headers=headers, content=content, extensions=request.extensions)

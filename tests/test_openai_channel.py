@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from agentstate.adapters.openai_channel import async_http_client, http_client, session_for, turn
+from agentstate.adapters.openai_channel import async_http_client, http_client, mark_resuming, session_for, turn
 from agentstate.errors import InvalidArgumentError, InvalidSessionIdError
 from tests.loopback_http import json_server
 
@@ -110,3 +110,26 @@ async def test_the_async_client_and_concurrent_turns_keep_their_own_sessions(ser
     await asyncio.gather(*(agent(i) for i in range(8)))
     got = [(b["messages"][0]["content"], b["kv_transfer_params"]["agentstate"]["session_id"]) for b in bodies()]
     assert len(got) == 24 and all(sid == f"agent-{c}" for c, sid in got)
+
+
+def test_a_session_marked_resuming_carries_its_priority_once(server: str) -> None:
+    """Opt-in scheduling priority (an engine run with `--scheduling-policy priority`): only the
+    marked session's next model call carries it, never replacing the caller's own, and a bad
+    priority is refused before any call."""
+    client = openai.OpenAI(base_url=server, api_key="x", http_client=http_client())
+    msgs = [{"role": "user", "content": "hi"}]
+    mark_resuming("agent-p", -1)
+    with turn("agent-q"):
+        client.chat.completions.create(model="m", messages=msgs)  # another session: no priority
+    with turn("agent-p"):
+        client.chat.completions.create(model="m", messages=msgs)  # the marked one: once
+        client.chat.completions.create(model="m", messages=msgs)
+    mark_resuming("agent-p", 3)
+    with turn("agent-p"):
+        client.chat.completions.create(model="m", messages=msgs, extra_body={"priority": 7})  # the caller's stands
+    b = bodies()
+    assert "priority" not in b[0] and b[1]["priority"] == -1 and "priority" not in b[2]
+    assert b[3]["priority"] == 7 and b[1]["kv_transfer_params"]["agentstate"] == {"session_id": "agent-p"}
+    for bad in (1.5, "1", True, 2**31, None):
+        with pytest.raises(InvalidArgumentError):
+            mark_resuming("agent-p", bad)  # type: ignore[arg-type]
