@@ -227,6 +227,12 @@ NOTES = [
     '  hints 158 / 757; over the remote tier 364 / 2079 and 308 / 2095. Hints are 1.38x (LMDB) and 1.18x (remote)',
     '  better at p50, 0.95x and 0.99x at p99: the slowest returning turns most likely queue behind each other on the engine',
     '  (2 cores; not broken down yet), which no hint shortens either.',
+    '- Priority (`hints, priority`, first run 2026-12-05 21:05): the queue is what the cache cannot shorten, so the',
+    "  engine's scheduler was told instead: a thread's first call after a tool carries `priority: -1`. Returning",
+    "  turns' p99 fell 9.99 -> 3.52 s (2.84x the no-hints mode: the goal's 1.5x), but their p50 rose 0.41 -> 1.76 s",
+    "  (0.23x) and first turns' p99 rose 1.20x: every returning agent now runs beside the others at once on a KV",
+    '  pool of 40% of the working set, where before some waited behind a newcomer. A trade of the median for the',
+    '  tail, one run, not broken down yet: opt-in, not a default, and not the goal met.',
 ]
 
 
