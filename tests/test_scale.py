@@ -27,6 +27,7 @@ from agentstate import StateStore
 from agentstate.backends import lmdb_env
 from agentstate.config import TierConfig
 from agentstate.errors import CorruptDataError, InvalidArgumentError
+from agentstate.ops import admin
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX
 from tests.conftest import SPEC4, bits_equal, random_kv, random_tokens
 
@@ -71,6 +72,8 @@ async def test_a_reopened_store_lists_nothing_and_finds_everything(tmp_path: Pat
         on_disk = await stored(store)
     async with open_store() as store:
         assert len(store.chunks) == 0, "open listed the LMDB tier"
+        report = await admin.stats(store)  # counts come from the backend, not from what the index learnt
+        assert next(t.chunks for t in report.tiers if t.name == "lmdb") == len(on_disk)
         match = await store.match(prompt)
         assert match.tokens == 4 * CHUNK  # a prefix stored before the restart hits
         for sid, (tokens, kv) in sessions.items():

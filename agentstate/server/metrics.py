@@ -244,9 +244,9 @@ class StoreCollector(Collector):
         tier = ["tier"]
         info = GaugeMetricFamily("agentstate_tier_info", "A configured tier (value 1).",
                                  labels=["tier", "kind", "durable", "remote", "record"])  # fmt: skip
-        chunks = GaugeMetricFamily("agentstate_tier_chunks", "Chunks this process knows a tier holds (a remote tier, or "
-                                   "LMDB and file tiers, learnt lazily: those it wrote or found there since open, not the"
-                                   " tier's total; `agentstate stats` counts those).", labels=tier)  # fmt: skip
+        chunks = GaugeMetricFamily("agentstate_tier_chunks", "Chunks a tier holds: what a local durable tier (LMDB, "
+                                   "files) stores, as its backend counts it; a cache tier's as accounted; a remote tier's,"
+                                   " those this process wrote or found there (not the store's total).", labels=tier)  # fmt: skip
         used = GaugeMetricFamily("agentstate_tier_bytes_used", "Bytes a local tier stores: value bytes of a capacity-"
                                  "managed tier (host, device, file), pages in use of LMDB plus its value log's segment files. Remote tiers: see "
                                  "agentstate_tier_written_bytes_total and agentstate_remote_memory_*.", labels=tier)  # fmt: skip
@@ -254,7 +254,8 @@ class StoreCollector(Collector):
                                      "host, device or file tier; lmdb_max_map_size of LMDB when set.", labels=tier)  # fmt: skip
         for t in f.tiers:
             info.add_metric([t.name, t.kind, str(t.durable).lower(), str(t.remote).lower(), str(t.record).lower()], 1)
-            chunks.add_metric([t.name], t.chunks)
+            lazy = t.durable and not t.remote and t.capacity_bytes is None and t.name in f.local
+            chunks.add_metric([t.name], f.local[t.name].items if lazy else t.chunks)  # the index learns those lazily
             if t.name in f.local:
                 used.add_metric([t.name], t.used_bytes if t.capacity_bytes is not None else f.local[t.name].bytes_used)
             if t.capacity_bytes is not None:
