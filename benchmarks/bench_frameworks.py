@@ -232,7 +232,8 @@ NOTES = [
     "  turns' p99 fell 9.99 -> 3.52 s (2.84x the no-hints mode: the goal's 1.5x), but their p50 rose 0.41 -> 1.76 s",
     "  (0.23x) and first turns' p99 rose 1.20x: every returning agent now runs beside the others at once on a KV",
     '  pool of 40% of the working set, where before some waited behind a newcomer. A trade of the median for the',
-    '  tail, one run, not broken down yet: opt-in, not a default, and not the goal met.',
+    '  tail, not broken down yet: opt-in, not a default, and not the goal met. A second run (`--only agentstate',
+    "  'hints, priority' --remote-mbps 0`, 21:50) reproduced it: p99 10.20 -> 3.78 s, p50 0.41 -> 1.65 s.",
 ]
 
 
