@@ -230,7 +230,7 @@ NOTES = [
     '- Priority (`hints, priority`, first run 2026-12-05 21:05): the queue is what the cache cannot shorten, so the',
     "  engine's scheduler was told instead: a thread's first call after a tool carries `priority: -1`. Returning",
     "  turns' p99 fell 9.99 -> 3.52 s (2.84x the no-hints mode: the goal's 1.5x), but their p50 rose 0.41 -> 1.76 s",
-    "  (0.23x) and first turns' p99 rose 1.20x: every returning agent now runs beside the others at once on a KV",
+    "  (0.23x) and first turns' p99 rose 1.20x: most likely every returning agent now runs beside the others on a KV",
     '  pool of 40% of the working set, where before some waited behind a newcomer. A trade of the median for the',
     '  tail, not broken down yet: opt-in, not a default, and not the goal met. A second run (`--only agentstate',
     "  'hints, priority' --remote-mbps 0`, 21:50) reproduced it: p99 10.20 -> 3.78 s, p50 0.41 -> 1.65 s.",
