@@ -13,7 +13,7 @@ import contextlib
 import logging
 import math
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -385,8 +385,9 @@ class Sessions:
         stored = {tier: size for tier, (n, size) in resident.items() if n}
         return Usage.of(self.tenant, session_id, counts, last_hit_at=manifest.last_hit_at, bytes_stored=stored)
 
-    async def gc(self) -> int:
+    async def gc(self, on_step: Callable[[GcStep], None] | None = None) -> int:
         """Delete expired sessions, then chunks and tails nothing references; returns how many went.
+        `on_step` hears of each step of a local catalog's pass (the CLI's progress bar).
 
         Local catalog: a whole pass of `gc_step` (steps of `gc_step_keys`): every local durable
         tier is swept, and a key goes only when the catalog's count (tails counted too) is zero
@@ -403,12 +404,12 @@ class Sessions:
                 if manifest.tail_key:
                     live.add(manifest.tail_key)
             return removed + await self.scope.freeing(lambda: self.chunks.sweep_shared(self.scope.key_prefixes, live))
-        cursor, limit = self._gc_cursor(), self.config.gc_step_keys
-        step = await self._gc_step(cursor, limit)
-        removed = step.removed
-        while not step.done:
-            step = await self._gc_step(cursor, limit)
-            removed += step.removed
+        cursor, removed, done = self._gc_cursor(), 0, False
+        while not done:
+            step = await self._gc_step(cursor, self.config.gc_step_keys)
+            removed, done = removed + step.removed, step.done
+            if on_step is not None:
+                on_step(step)
         return removed
 
     async def gc_step(self, limit: int, *, restart: bool = False) -> GcStep:

@@ -66,6 +66,9 @@ class TierInfo:
     capacity_bytes: int | None
     used_bytes: int
     chunks: int
+    """what the index knows the tier holds; for a lazy tier only what it learnt since open"""
+    lazy: bool
+    """`Tier.lazy`: its stored count is its backend's (`stats`), not `chunks`"""
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,7 @@ class ChunkStore:
             TierInfo(
                 name=t.name, kind=self._kinds[t.name], durable=t.backend.durable, remote=t.backend.remote,
                 record=t is self._record, capacity_bytes=t.capacity, used_bytes=t.used, chunks=len(t.sizes),
+                lazy=t.lazy,
             )  # fmt: skip
             for t in self._manager.tiers
         ]
@@ -566,17 +570,12 @@ class ChunkStore:
         """Account for what the local durable tiers with a capacity hold under `prefixes` (after a
         restart): their eviction needs every size. The others (LMDB, files: `Tier.lazy`) are not
         listed; the index asks them about a key when it does not know it."""
-        eager = [t for t in self._local_durable() if not t.lazy]
-        await self._manager.adopt_existing(await self._local_keys(prefixes, eager))
-
-    async def _local_keys(self, prefixes: Iterable[str], tiers: Sequence[Tier] | None = None) -> dict[str, list[str]]:
-        """What each local durable tier (or each of `tiers`) stores under `prefixes` (asks the
-        backends, not the index)."""
         prefixes = list(prefixes)
         found: dict[str, list[str]] = {}
-        for tier in self._local_durable() if tiers is None else tiers:
-            found[tier.name] = [k for p in prefixes async for k in tier.backend.keys(p)]
-        return found
+        for tier in self._local_durable():
+            if not tier.lazy:
+                found[tier.name] = [k for p in prefixes async for k in tier.backend.keys(p)]
+        await self._manager.adopt_existing(found)
 
     async def evict(
         self, tier_name: str, *, budget_bytes: int | None = None, keys: Sequence[str] | None = None

@@ -195,13 +195,8 @@ class TierManager:
             ask = [k for k in dict.fromkeys(keys) if k and not self.index.holds(k, tier.name) and k not in absent]
             if ask:
                 present = await tier.backend.exists(ask)
-                found = [k for k, hit in zip(ask, present) if hit]
-                for key in found:
-                    tier.add(key, 0)
-                self.index.add(found, tier.name)
-                for key, hit in zip(ask, present):
-                    if not hit:
-                        absent[key] = None
+                self.note(tier, ask, present)
+                absent.update((k, None) for k, hit in zip(ask, present) if not hit)
                 while len(absent) > _ABSENT_KEYS:
                     absent.popitem(last=False)
         return [self.index.holds(k, tier.name) for k in keys]
@@ -234,7 +229,8 @@ class TierManager:
                 unknown = [k for k, hit in zip(unknown, present) if not hit]
 
     def note(self, tier: Tier, keys: Sequence[str], present: Sequence[bool]) -> None:
-        """Record what a remote tier said it holds (other hosts write and delete there too)."""
+        """Record what a tier the index does not list in full said it holds: a remote tier (other
+        hosts write and delete there too), a lazy one (`known_in`)."""
         for key, hit in zip(keys, present):
             if hit:
                 tier.add(key, 0)

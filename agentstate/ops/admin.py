@@ -205,31 +205,21 @@ async def stats(store: StateStore) -> StatsReport:
 
 
 def _tier_info(tier: ChunkTierInfo, stored: dict[str, int]) -> TierInfo:
-    """A local durable tier's chunks are what its backend stores (the index learns those lazily:
-    it knows only what was asked for since open); the others', what the index knows."""
-    local = tier.durable and not tier.remote and tier.capacity_bytes is None
+    """A lazy tier's chunks are what its backend stores (the index knows only what was asked for
+    since open); the others', what the index knows."""
     return TierInfo(
         name=tier.name, record=tier.record, durable=tier.durable, remote=tier.remote,
-        capacity_bytes=tier.capacity_bytes, chunks=stored.get(tier.name, tier.chunks) if local else tier.chunks,
+        capacity_bytes=tier.capacity_bytes, chunks=stored.get(tier.name, tier.chunks) if tier.lazy else tier.chunks,
     )  # fmt: skip
 
 
 async def gc(store: StateStore, progress: Progress = QUIET) -> GcReport:
     """A whole gc pass, in steps (`gc_step_keys` each) shown as they go; a shared catalog's gc is
     one mark and sweep."""
-    if store.catalog.shared:
-        return GcReport(removed=await store.gc())
-    local = [t.name for t in store.chunks.tier_info() if t.durable and not t.remote]
-    progress.start("gc: sweeping stored keys", sum(t.items for t in await store.chunks.stats() if t.name in local))
-    limit = store.config.gc_step_keys
-    step = await store.gc_step(limit, restart=True)
-    removed = step.removed
-    progress.advance(step.keys)
-    while not step.done:
-        step = await store.gc_step(limit)
-        removed += step.removed
-        progress.advance(step.keys)
-    return GcReport(removed=removed)
+    if not store.catalog.shared:
+        local = [t.name for t in store.chunks.tier_info() if t.durable and not t.remote]
+        progress.start("gc: sweeping stored keys", sum(t.items for t in await store.chunks.stats() if t.name in local))
+    return GcReport(removed=await store.gc(lambda step: progress.advance(step.keys)))
 
 
 EvictReport = EvictResult

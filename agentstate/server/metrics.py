@@ -254,8 +254,7 @@ class StoreCollector(Collector):
                                      "host, device or file tier; lmdb_max_map_size of LMDB when set.", labels=tier)  # fmt: skip
         for t in f.tiers:
             info.add_metric([t.name, t.kind, str(t.durable).lower(), str(t.remote).lower(), str(t.record).lower()], 1)
-            lazy = t.durable and not t.remote and t.capacity_bytes is None and t.name in f.local
-            chunks.add_metric([t.name], f.local[t.name].items if lazy else t.chunks)  # the index learns those lazily
+            chunks.add_metric([t.name], f.local[t.name].items if t.lazy and t.name in f.local else t.chunks)
             if t.name in f.local:
                 used.add_metric([t.name], t.used_bytes if t.capacity_bytes is not None else f.local[t.name].bytes_used)
             if t.capacity_bytes is not None:
