@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 from abc import ABC, abstractmethod
@@ -16,6 +17,7 @@ from pydantic import BaseModel
 if TYPE_CHECKING:
     from agentstate.memory import Buffer
 
+log = logging.getLogger(__name__)
 _NO_ROOM = {errno.ENOSPC, errno.EDQUOT}
 
 
@@ -49,9 +51,20 @@ def io_pool(threads: int, name: str) -> ThreadPoolExecutor:
 
 
 def _one_torch_thread() -> None:
-    torch = sys.modules.get("torch")  # imported by whoever copies tensors here; never imported for it
-    if torch is not None:
+    """Never raises: a pool whose initializer failed refuses every later task (BrokenThreadPool),
+    so a tuning knob would otherwise take the tier's IO down with it."""
+    if "torch" not in sys.modules:  # imported by whoever copies tensors here; never imported for it
+        return
+    try:
+        # Another thread may be halfway through importing torch (codecs import it on first use, while
+        # the pool's first task starts this worker): sys.modules already holds the half-built module,
+        # without set_num_threads yet. The import statement waits on that import's lock; a lookup in
+        # sys.modules does not.
+        import torch
+
         torch.set_num_threads(1)
+    except Exception:  # noqa: BLE001 - see the docstring
+        log.warning("io pool worker keeps torch's default thread count", exc_info=True)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

@@ -247,6 +247,28 @@ def remote_notes(mbps: float, latency_ms: float) -> list[str]:
     ]
 
 
+ENGINE_METRICS = ("vllm:num_preemptions_total", "vllm:prompt_tokens_by_source_total",
+                  "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+                  "vllm:request_queue_time_seconds_count")  # fmt: skip
+
+
+def engine_breakdown(url: str) -> dict[str, float]:
+    """What the engine spent, from its /metrics: preemptions, prompt tokens by where they came from
+    (computed here, vLLM's own cache, the connector), queueing and prefill seconds summed over requests.
+    Where a mode's TTFT comes from: waiting, computing, or computing again after a preemption."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if line.startswith("#") or name not in ENGINE_METRICS:
+            continue
+        label = ""
+        if 'source="' in line:
+            label = ":" + line.split('source="', 1)[1].split('"', 1)[0]
+        short = name.removeprefix("vllm:").removesuffix("_total") + label
+        out[short] = out.get(short, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] if s else float("nan")
@@ -285,6 +307,7 @@ def main() -> None:
     pool_blocks = max(100, working // (128 * token_bytes) * 2 // 5)  # vLLM's own KV pool: 40% of the working set
     results: dict[str, list[tuple[int, float]]] = {}
     firsts: dict[str, list[float]] = {}
+    engine: dict[str, dict[str, float]] = {}
     runs = [(mode, None) for mode in MODES]
     if args.remote_mbps:
         runs += [(mode, args.remote_mbps) for mode in REMOTE_MODES]
@@ -308,6 +331,8 @@ def main() -> None:
         try:
             t0 = time.perf_counter()
             results[name], firsts[name] = asyncio.run(run_mode(mode, url, api, plans, steady=args.steady))
+            engine[name] = engine_breakdown(url)
+            print(f"[{time.strftime('%H:%M:%S')}] {name}: engine {engine[name]}", flush=True)
             print(f"[{time.strftime('%H:%M:%S')}] {name}: {len(results[name])} returning turns in "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
         finally:

@@ -133,10 +133,14 @@ class SGLangServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        # --enable-metrics: sglang:backuped_tokens_total counts the tokens written to L3 (wait_backed_up)
+        # --enable-metrics: sglang:backuped_tokens_total counts the tokens written to L3 (wait_backed_up).
+        # --mem-fraction-static 0.5: on CPU, SGLang refuses to start when free memory fell by more than
+        # (1 - fraction) of what it was before the weights loaded. At 0.05 a neighbour allocating 5% of the
+        # machine during that second (CI's vLLM suite runs beside this one) failed the start. The pool
+        # is still --max-total-tokens, whatever the fraction allows.
         args = ["--model-path", self.model, "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
                 "--dtype", self.dtype, "--attention-backend", "torch_native", "--disable-cuda-graph",
-                "--grammar-backend", "none", "--skip-server-warmup", "--mem-fraction-static", "0.05",
+                "--grammar-backend", "none", "--skip-server-warmup", "--mem-fraction-static", "0.5",
                 "--max-total-tokens", "4096", "--page-size", str(self.page_size), "--random-seed", "0",
                 "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-io-backend", "direct",
                 "--hicache-mem-layout", self.layout, "--log-level", "info",
