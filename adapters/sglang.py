@@ -64,6 +64,7 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         self._loop = LoopThread("agentstate-sglang")
         self.store: StateStore | None = None
         self.layout: PageLayout | None = None
+        self._pool_view: torch.Tensor | None = None  # PageLayout.pool_view of the registered pool
         self._prefix = ""
         pool = (kwargs or {}).get("mem_pool_host")
         if pool is not None:
@@ -90,10 +91,11 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         config = store_config(None, **{**self._overrides, "path": rank_dir})  # bad keys: InvalidArgumentError
         if self.store is not None:
             self._run(self.store.close())
-        self.store, self.layout = None, None
+        self.store, self.layout, self._pool_view = None, None, None
         self._prefix = f"{SGLANG_PAGES.prefix}{spec.fingerprint}/{layout.page_size}/{shard}/"
         self.store = self._loop.run(self._open(config, spec), max(self.settings.timeout_s, 600.0))  # adopts every page
         self.layout = layout
+        self._pool_view = layout.pool_view(mem_pool_host)
 
     async def _open(self, config: StoreConfig, spec: ModelSpec) -> StateStore:
         """Open this rank's directory, adopt its pages, and record its spec and config there, so that
@@ -149,9 +151,13 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         if indices.numel() != len(keys) * ps:
             raise InvalidArgumentError(f"{indices.numel()} host indices for {len(keys)} pages of {ps}")
         pages: list[torch.Tensor | None] = []
+        size, whole = int(pool.size), self._pool_view
         for key, start in zip(keys, indices[::ps].tolist()):
-            ok = 0 <= start < int(pool.size) and start % ps == 0
-            pages.append(self._canonical(key, pool.get_data_page(start, flat=False) if ok else None))
+            ok = 0 <= start < size and start % ps == 0
+            if whole is not None and ok and valid_key(key):
+                pages.append(whole.narrow(2, start, ps))
+            else:
+                pages.append(self._canonical(key, pool.get_data_page(start, flat=False) if ok else None))
         return pages
 
     # -- the two data paths --------------------------------------------------------------------
@@ -340,5 +346,5 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         except Exception as exc:  # noqa: BLE001 - close runs in SGLang's detach, and must stop the loop
             self._failed("close", exc)
         finally:
-            self.store, self.layout = None, None
+            self.store, self.layout, self._pool_view = None, None, None
             self._loop.stop()

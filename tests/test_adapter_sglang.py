@@ -287,6 +287,7 @@ except ModuleNotFoundError as exc:
     print("SKIP " + json.dumps(exc.name)); sys.exit(0)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from agentstate.adapters.sglang_pages import PageLayout
 root, extra = sys.argv[1], json.loads(sys.argv[2])
 common = dict(host_to_device_ratio=2.0, host_size=0, page_size=4, pin_memory=False, device="cpu",
               device_capacity_tokens=64, start_layer=0, end_layer=3)
@@ -335,7 +336,8 @@ for kind, names in layouts.items():
         want = [bits(host, int(src[4 * i])) for i in range(3)]
         path = f"{root}/{kind}-{layout}"
         backend = attach(host, path)
-        r = {"type": type(host).__name__, "set": backend.batch_set_v1(keys, src),
+        view = PageLayout.of(host).pool_view(host)  # pages as slices of one view of the pool, where it has one
+        r = {"type": type(host).__name__, "pool_view": view is not None, "set": backend.batch_set_v1(keys, src),
              "exists": backend.batch_exists(keys + ["gap"]), "get": backend.batch_get_v1(keys, dst)}
         r["exact"] = all(bits(host, int(dst[4 * i])).equal(want[i]) for i in range(3))
         backend.close()
@@ -353,6 +355,11 @@ for kind, names in layouts.items():
         b = attach(other, f"{root}/{kind}-cross"); got = b.batch_get_v1(keys, torch.arange(20, 32)); b.close()
         same = all(token(other, 20 + t).equal(token(first, t)) for t in range(12))
         out[f"{kind}/cross/{layout}"] = {"get": got, "exact": same}
+# a pool whose pages are not slices of its kv_buffer (here: copies) gets no whole-pool view
+odd = host_pool("mha", "layer_first", 10)
+real = odd.get_data_page
+odd.get_data_page = lambda i, flat=True: real(i, flat).clone()
+out["copied_pages_view"] = PageLayout.of(odd).pool_view(odd) is not None
 mla = host_pool("mla", "page_first", 9)  # MLA KV is replicated: every TP rank has one fingerprint
 ranks = [attach(mla, f"{root}/mla-ranks", rank, 2) for rank in (0, 1)]
 out["mla_rank_keys_equal"] = ranks[0].storage_key("k") == ranks[1].storage_key("k")
@@ -382,3 +389,7 @@ def test_real_host_pool(tmp_path: Path) -> None:
         assert r["exists_after_restart"] == 3 and r["get_after_restart"] == [True] * 3 and r["exact_after_restart"]
         assert results[name.replace("/", "/cross/")] == {"get": [True] * 3, "exact": True}, name
     assert results["mla_rank_keys_equal"] is True
+    # the whole-pool view (one narrow per page) is what layer_first and page_first MHA pools read and
+    # write through above, so their exactness covers it; a pool it does not match falls back
+    assert {n for n in runs if results[n]["pool_view"]} == {"mha/layer_first", "mha/page_first"}
+    assert results["copied_pages_view"] is False
