@@ -5,7 +5,8 @@ Layout (little endian)::
     0   4s  magic b"ASKV"
     4   H   format version
     6   B   dtype code
-    7   B   layout code (0 = canonical, layer-major [layers, planes, tokens, heads, dim])
+    7   B   layout code (0 = canonical, layer-major [layers, planes, tokens, heads, dim]; others in
+            agentstate.layouts: an engine's own block layout, kept where converting costs its loads)
     8   16s spec fingerprint (raw)
     24  5I  shape
     44  Q   payload length in bytes
@@ -23,6 +24,10 @@ The lossy flag travels with the bytes: a chunk an fp8 tier gave back is re-encod
 copy promoted to host memory or written to another tier still says it is not the original, and a
 restore can report whether what it served is bit-exact (`ResumeResult.exact`).
 
+The shape field is always the canonical shape. A payload in another layout (layouts.py) holds the
+same elements in the engine's order: `decode` gives every reader canonical KV (a converted copy),
+`decode_native` gives the engine whose layout it is a view of its own memory.
+
 No pickle and no torch.load: decoding only reinterprets bytes after every field checks out, and a
 buffer whose checksum fails never reaches a caller.
 """
@@ -37,7 +42,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import xxhash
 
+from agentstate import layouts
 from agentstate.errors import CorruptDataError, SpecMismatchError
+from agentstate.layouts import NativeKV
 from agentstate.spec import ITEMSIZE
 
 if TYPE_CHECKING:
@@ -46,7 +53,7 @@ if TYPE_CHECKING:
 MAGIC = b"ASKV"
 FORMAT_VERSION = 2
 HEADER_SIZE = 64
-LAYOUT_CANONICAL = 0
+LAYOUT_CANONICAL = layouts.CANONICAL
 FLAG_LOSSY = 1
 """Header flag: the payload is a lossy reconstruction of what was stored (see the module docstring)."""
 _KNOWN_FLAGS = FLAG_LOSSY
@@ -95,6 +102,8 @@ class ChunkHeader(NamedTuple):
     checksum: int
     lossy: bool = False
     """the payload is a lossy reconstruction (FLAG_LOSSY), not bit-exact to what was stored"""
+    layout: int = LAYOUT_CANONICAL
+    """the payload's layout code (layouts.py); `shape` is canonical whatever it is"""
 
 
 def encoded_size(nbytes: int) -> int:
@@ -114,12 +123,19 @@ def _checksum(header: memoryview, payload: memoryview, key: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload, seed=seed.intdigest())
 
 
+def payload_bytes(kv: torch.Tensor | NativeKV) -> int:
+    """The payload size of a chunk of canonical or native KV."""
+    return kv.nbytes() if isinstance(kv, NativeKV) else kv.numel() * kv.element_size()
+
+
 def encode(
-    kv: torch.Tensor, fingerprint: str, *, key: str, out: bytearray | mmap.mmap | None = None, lossy: bool = False
-) -> bytearray | mmap.mmap:
-    """Encode one chunk of canonical KV (any strides, CPU or not) into self-describing bytes,
-    bound to `key`, the key the value will be stored under (decode must name the same key).
-    `lossy` marks `kv` as a lossy reconstruction (FLAG_LOSSY), so no reader takes it for the original.
+    kv: torch.Tensor | NativeKV, fingerprint: str, *, key: str, out: bytearray | mmap.mmap | None = None,
+    lossy: bool = False,
+) -> bytearray | mmap.mmap:  # fmt: skip
+    """Encode one chunk of canonical KV (any strides, CPU or not), or of KV in an engine's own layout
+    (`NativeKV`, stored as it is), into self-describing bytes, bound to `key`, the key the value will
+    be stored under (decode must name the same key). `lossy` marks `kv` as a lossy reconstruction
+    (FLAG_LOSSY), so no reader takes it for the original.
 
     Writes into `out` (exactly `encoded_size` bytes) or a fresh buffer. The single copy made here
     is also the gather that makes a strided slice layer-major.
@@ -127,23 +143,28 @@ def encode(
     import torch
 
     bound = _key_bytes(key)
-    code = dtype_code(kv.dtype)
+    layout, data = (kv.layout, kv.data) if isinstance(kv, NativeKV) else (LAYOUT_CANONICAL, kv)
+    shape = tuple(kv.shape)
+    code = dtype_code(data.dtype)
     if code is None:
-        raise CorruptDataError(f"dtype {kv.dtype} cannot be encoded")
-    if kv.dim() != 5:
-        raise CorruptDataError(f"canonical KV has 5 dims, got {kv.dim()}")
-    nbytes = kv.numel() * kv.element_size()
+        raise CorruptDataError(f"dtype {data.dtype} cannot be encoded")
+    if len(shape) != 5:
+        raise CorruptDataError(f"canonical KV has 5 dims, got {len(shape)}")
+    layouts.check_layout(layout, shape)
+    if tuple(data.shape) != layouts.native_shape(layout, shape):
+        raise CorruptDataError(f"payload {tuple(data.shape)} is not layout {layout:#x} of {shape}")
+    nbytes = data.numel() * data.element_size()
     if out is None:
         out = bytearray(HEADER_SIZE + nbytes)
     elif len(out) != HEADER_SIZE + nbytes:
         raise CorruptDataError(f"output buffer is {len(out)} bytes, the chunk needs {HEADER_SIZE + nbytes}")
     if nbytes:
-        dest = torch.frombuffer(out, dtype=kv.dtype, offset=HEADER_SIZE, count=kv.numel()).view(kv.shape)
-        dest.copy_(kv)
+        dest = torch.frombuffer(out, dtype=data.dtype, offset=HEADER_SIZE, count=data.numel()).view(data.shape)
+        dest.copy_(data)
     view = memoryview(out)
     _FIELDS.pack_into(
-        out, 0, MAGIC, FORMAT_VERSION, code, LAYOUT_CANONICAL,
-        bytes.fromhex(fingerprint), *kv.shape, nbytes, FLAG_LOSSY if lossy else 0,
+        out, 0, MAGIC, FORMAT_VERSION, code, layout,
+        bytes.fromhex(fingerprint), *shape, nbytes, FLAG_LOSSY if lossy else 0,
     )  # fmt: skip
     _CHECKSUM.pack_into(out, _FIELDS.size, _checksum(view, view[HEADER_SIZE:], bound))
     return out
@@ -154,9 +175,9 @@ def is_lossy(buf: Buffer) -> bool:
     return len(buf) >= HEADER_SIZE and bool(_FLAGS.unpack_from(buf, 52)[0] & FLAG_LOSSY)
 
 
-def _fields(view: memoryview) -> tuple[str, str, tuple[int, ...], int, int, bool]:
-    """Parse and check the header fields that need no expectations (magic, version, length), with
-    no torch: (fingerprint, dtype name, shape, payload length, checksum, lossy)."""
+def _fields(view: memoryview) -> tuple[str, str, tuple[int, ...], int, int, bool, int]:
+    """Parse and check the header fields that need no expectations (magic, version, length, layout),
+    with no torch: (fingerprint, dtype name, shape, payload length, checksum, lossy, layout)."""
     if len(view) < HEADER_SIZE:
         raise CorruptDataError(f"chunk truncated: {len(view)} bytes is shorter than the {HEADER_SIZE}-byte header")
     magic, version, dcode, layout, fp, *rest = _FIELDS.unpack_from(view, 0)
@@ -166,8 +187,9 @@ def _fields(view: memoryview) -> tuple[str, str, tuple[int, ...], int, int, bool
     if version != FORMAT_VERSION:
         raise CorruptDataError(f"unsupported chunk format version {version} (this build reads {FORMAT_VERSION})")
     name = _CODE_NAMES.get(dcode)
-    if layout != LAYOUT_CANONICAL or name is None:
-        raise CorruptDataError(f"unknown layout {layout} or dtype code {dcode}")
+    if name is None:
+        raise CorruptDataError(f"unknown dtype code {dcode}")
+    layouts.check_layout(layout, shape)
     if flags & ~_KNOWN_FLAGS:
         raise CorruptDataError(f"unknown header flags {flags:#x}")
     numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
@@ -176,15 +198,15 @@ def _fields(view: memoryview) -> tuple[str, str, tuple[int, ...], int, int, bool
     if len(view) != HEADER_SIZE + payload_len:
         raise CorruptDataError(f"chunk is {len(view)} bytes, header says {HEADER_SIZE + payload_len}")
     (checksum,) = _CHECKSUM.unpack_from(view, _FIELDS.size)
-    return fp.hex(), name, shape, payload_len, checksum, bool(flags & FLAG_LOSSY)
+    return fp.hex(), name, shape, payload_len, checksum, bool(flags & FLAG_LOSSY), layout
 
 
 def read_header(buf: Buffer) -> ChunkHeader:
     """Parse and check the header fields that need no expectations (magic, version, length)."""
-    fp, name, shape, payload_len, checksum, lossy = _fields(memoryview(buf))
+    fp, name, shape, payload_len, checksum, lossy, layout = _fields(memoryview(buf))
     dtype = code_dtype(DTYPE_CODE_NAMES[name])
     assert dtype is not None  # every name of DTYPE_CODE_NAMES is a torch dtype
-    return ChunkHeader(fp, dtype, shape, payload_len, checksum, lossy)
+    return ChunkHeader(fp, dtype, shape, payload_len, checksum, lossy, layout)
 
 
 def check(
@@ -200,7 +222,7 @@ def _checked(
 ) -> tuple[int, ...]:
     """The checks of `check` and `decode`: the header, then what the reader expects of it, then
     (with `verify`) the checksum bound to the key. Returns the chunk's shape."""
-    fp, name, got, _, checksum, _ = _fields(view)
+    fp, name, got, _, checksum, _, _ = _fields(view)
     if fp != fingerprint:
         raise SpecMismatchError(f"chunk belongs to spec {fp}, not {fingerprint}")
     if name != dtype:
@@ -221,21 +243,43 @@ def decode(
     shape: tuple[int, ...] | None = None,
     verify: bool = True,
 ) -> torch.Tensor:
-    """Check `buf`, read under `key`, completely and return a zero-copy tensor view over its payload.
+    """Check `buf`, read under `key`, completely and return canonical KV: a zero-copy tensor view
+    over its payload, or, for a payload in an engine's own layout, a canonical copy of it (the
+    caller counts those: `layout_of`).
 
     The view shares memory with `buf`: copy out of it before the buffer is reused or released.
     `verify=False` skips only the checksum (and so the key binding), for bytes this process
     produced and kept in DRAM.
     """
+    got = decode_native(buf, key=key, fingerprint=fingerprint, dtype=dtype, shape=shape, verify=verify)
+    if isinstance(got, NativeKV):
+        return layouts.to_canonical(got.data, got.layout, got.shape)
+    return got
+
+
+def decode_native(
+    buf: Buffer, *, key: str, fingerprint: str, dtype: torch.dtype, shape: tuple[int, ...] | None = None,
+    verify: bool = True,
+) -> torch.Tensor | NativeKV:  # fmt: skip
+    """`decode` without the conversion: a canonical view, or a `NativeKV` whose data is a zero-copy
+    view of the payload in its own layout (for the engine that keeps that layout)."""
     import torch
 
     view = memoryview(buf)
     code = dtype_code(dtype)
     name = _CODE_NAMES[code] if code is not None else str(dtype)  # a dtype no chunk holds matches none
     got = _checked(view, _key_bytes(key), fingerprint, name, shape, verify=verify)
+    layout = view[7]
     if len(view) == HEADER_SIZE:
-        return torch.empty(got, dtype=dtype)
-    return torch.frombuffer(view[HEADER_SIZE:], dtype=dtype).view(got)
+        data = torch.empty(layouts.native_shape(layout, got), dtype=dtype)
+    else:
+        data = torch.frombuffer(view[HEADER_SIZE:], dtype=dtype).view(layouts.native_shape(layout, got))
+    return data if layout == LAYOUT_CANONICAL else NativeKV(layout, data, got)
+
+
+def layout_of(buf: Buffer) -> int:
+    """The layout code of a chunk `decode` already checked."""
+    return memoryview(buf)[7] if len(buf) > 7 else LAYOUT_CANONICAL
 
 
 def decode_into(buf: Buffer, dest: torch.Tensor, *, key: str, fingerprint: str, verify: bool = True) -> None:

@@ -150,13 +150,16 @@ def quantize(value: memoryview) -> bytes | None:
     """The fp8 stage of a float chunk: [fingerprint, dtype, shape][fp32 scales [L, P, H]][fp8 data].
 
     Scales are per (layer, plane, head), amax / 448, so no value is clipped. None when `value` is
-    not a float chunk, or holds inf/nan (fp8 has no inf): that chunk is stored lossless instead.
+    not a float chunk of canonical layout, or holds inf/nan (fp8 has no inf): that chunk is stored
+    lossless instead.
     """
     try:
         head = codec.read_header(value)
     except AgentStateError:
         return None
     if head.dtype not in (torch.bfloat16, torch.float16, torch.float32) or head.payload_len == 0:
+        return None
+    if head.layout != codec.LAYOUT_CANONICAL:  # its scales are per (layer, plane, head) of canonical KV
         return None
     kv = torch.frombuffer(value, dtype=head.dtype, offset=codec.HEADER_SIZE).view(head.shape).float()
     amax = kv.abs().amax(dim=(2, 4))

@@ -22,6 +22,7 @@ from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, InvalidArgumentError
 from agentstate.hints import Hint, HintKind, HintResult
 from agentstate.keys import ChunkKey, token_array, validate_id
+from agentstate.layouts import NativeKV
 from agentstate.manifest import MatchResult
 from agentstate.sessions import Sessions, leading
 from agentstate.spec import ModelSpec
@@ -231,12 +232,15 @@ class StateStore:
         keys = self._scope.chunk_keys(packed)
         return await self._store_prefix(keys, self._scope.slices(kv, len(keys)), keys)
 
-    async def put_chunks(self, tokens: Sequence[int] | torch.Tensor, chunks: dict[int, torch.Tensor]) -> int:
+    async def put_chunks(
+        self, tokens: Sequence[int] | torch.Tensor, chunks: Mapping[int, torch.Tensor | NativeKV]
+    ) -> int:
         """Store some full chunks of a shared prefix, by chunk index, without the KV of the others:
         what an engine that saves chunk by chunk as it computes them calls (the vLLM connector).
 
         `tokens` covers the prefix through the last chunk given; `chunks[i]` is the canonical KV of
-        tokens `i*chunk_tokens .. (i+1)*chunk_tokens`. Chunks already stored are skipped; the
+        tokens `i*chunk_tokens .. (i+1)*chunk_tokens`, or that KV in the engine's own layout
+        (`NativeKV`: stored as it is, converted for readers of another layout). Chunks already stored are skipped; the
         prefix through the last given chunk is recorded (kept until removed, as `put_prefix`).
         Returns how many tokens were newly stored.
         """
@@ -246,11 +250,16 @@ class StateStore:
         if min(chunks) < 0 or max(chunks) >= len(keys):
             raise InvalidArgumentError(f"chunk indices {sorted(chunks)} outside the {len(keys)} full chunks of tokens")
         for kv in chunks.values():
-            self.spec.check_kv(kv, self.chunk_tokens)
+            if isinstance(kv, NativeKV):
+                kv.check(self.spec, self.chunk_tokens)
+            else:
+                self.spec.check_kv(kv, self.chunk_tokens)
         order = sorted(chunks)
         return await self._store_prefix([keys[i] for i in order], [chunks[i] for i in order], keys[: order[-1] + 1])
 
-    async def _store_prefix(self, keys: list[ChunkKey], kv: list[torch.Tensor], prefix: list[ChunkKey]) -> int:
+    async def _store_prefix(
+        self, keys: list[ChunkKey], kv: Sequence[torch.Tensor | NativeKV], prefix: list[ChunkKey]
+    ) -> int:
         """Write the chunks of `keys` not stored yet (`kv[i]` is chunk `keys[i]`), then record
         `prefix` so they are kept; what this call wrote goes again if it fails."""
         if not prefix:

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from agentstate.errors import KVShapeError
+from agentstate.errors import InvalidArgumentError, KVShapeError
 from agentstate.spec import ModelSpec
 
 if TYPE_CHECKING:
     import torch
+
+    from agentstate.layouts import NativeKV
 
 
 class KVTarget(ABC):
@@ -26,10 +29,24 @@ class KVTarget(ABC):
 
     num_tokens: int
     device: torch.device
+    native_layout: int | None = None
+    """The chunk layout (layouts.py) this target's memory is in, where it is not canonical: chunks
+    stored in it arrive through `write_native`, as they are; any other is converted first."""
 
     @abstractmethod
     def _copy(self, start: int, src: torch.Tensor) -> None:
         """Copy `src` (canonical KV of `src.shape[2]` tokens, already on `self.device`) into place."""
+
+    def write_native(self, start: int, n: int, src: NativeKV) -> None:
+        """Copy the first `n` tokens of a chunk in `native_layout` into place at token `start`."""
+        if self.native_layout is None or src.layout != self.native_layout:
+            raise InvalidArgumentError(f"a chunk of layout {src.layout:#x} for a target of {self.native_layout}")
+        if start < 0 or n < 0 or n > src.shape[2] or start + n > self.num_tokens:
+            raise KVShapeError(f"tokens {start}..{start + n} fall outside a target of {self.num_tokens} tokens")
+        self._copy_native(start, n, src)
+
+    def _copy_native(self, start: int, n: int, src: NativeKV) -> None:
+        raise InvalidArgumentError(f"{type(self).__name__} takes no native chunks")
 
     def write(self, start: int, src: torch.Tensor) -> None:
         n = src.shape[2]
@@ -89,14 +106,24 @@ class GuardedTarget(KVTarget):
     def _place(self, start: int, src: torch.Tensor) -> int:
         """Copy `src` into place; what `done` records for it."""
 
+    def _place_native(self, start: int, n: int, src: NativeKV) -> int:
+        """Copy the first `n` tokens of `src` (in `native_layout`) into place; what `done` records."""
+        raise InvalidArgumentError(f"{type(self).__name__} takes no native chunks")
+
     def _copy(self, start: int, src: torch.Tensor) -> None:
+        self._guarded(lambda: self._place(start, src))
+
+    def _copy_native(self, start: int, n: int, src: NativeKV) -> None:
+        self._guarded(lambda: self._place_native(start, n, src))
+
+    def _guarded(self, place: Callable[[], int]) -> None:
         with self._guard:
             if self._closed:
                 return  # not an error: raising would make the transfer drop a good chunk as corrupt
             self._active += 1
         placed: int | None = None
         try:
-            placed = self._place(start, src)
+            placed = place()
         finally:
             with self._guard:
                 self._active -= 1

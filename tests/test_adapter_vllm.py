@@ -47,7 +47,7 @@ transformers = require_module("transformers")
 from agentstate.adapters import transformers as hf
 from agentstate.adapters.vllm.blocks import BlockLayout, BlocksTarget, gather, layout_for, scatter
 
-from agentstate import ModelSpec, StateStore
+from agentstate import ModelSpec, StateStore, codec, layouts
 from agentstate.codec import decode
 from agentstate.keys import chunk_keys, namespace_for
 
@@ -337,6 +337,9 @@ def library(conn: dict[str, Any], data: Path, model: str) -> bool:
             assert manifest.version == 2 and manifest.tokens == turn2 and manifest.state == {"turn": 2}
             res = await store.resume("agent-1")
             assert res.restored_tokens == len(turn2)
+            # the session's full chunks were saved as vLLM computed them, in its CPU blocks' own layout:
+            # this canonical reader got them converted (and, below, equal to transformers' KV)
+            assert store.chunks.counters().get("layout_conversions", 0) >= len(turn2) // 256
             again = await store.resume("agent-1")
             assert torch.equal(res.kv.view(torch.uint8), again.kv.view(torch.uint8))  # type: ignore[union-attr]
             with torch.no_grad():
@@ -372,6 +375,7 @@ def library(conn: dict[str, Any], data: Path, model: str) -> bool:
                              chunk_tokens=256)[2]  # fmt: skip
             value = await store.chunks.read_value(key, 256)
             assert value is not None
+            assert layouts.block_size_of(codec.read_header(value).layout) is not None  # vLLM's blocks, as they lie
             bad = bytearray(value)
             bad[-7] ^= 0x5A
             await store.chunks.backend("lmdb").put([key], [bad])  # under the store: as a disk would damage it

@@ -16,6 +16,12 @@ reports (the backend's name; on CPU the kernel ISA), by `layout_for`:
 
 Anything else (AMX's VNNI packing, MLA, quantized KV) is refused: the connector then stays off
 rather than store bytes it cannot read back.
+
+Native chunks. `cpu_vec` blocks are stored as they lie in memory (agentstate.layouts `BLOCKS_KT`,
+where the block size is a power of two): K lies transposed there, and the transposing copy to and
+from canonical KV runs at a third of memcpy's speed, so the engine's own loads of its own chunks
+become plain copies (one per layer and run of consecutive blocks). Other readers (transformers, a
+vLLM with another layout) get canonical KV converted from them, exactly.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from agentstate.errors import InvalidArgumentError
+from agentstate.layouts import NativeKV, blocks_kt, planes_of
 from agentstate.target import GuardedTarget
 
 # -- layouts ---------------------------------------------------------------------------------------
@@ -51,6 +58,11 @@ class BlockLayout:
         if self.name == "flash_hnd":
             return (1, 0, 2), (1, 0, 2)
         return (0, 1, 2), (0, 1, 2)
+
+    @property
+    def native_code(self) -> int | None:
+        """The chunk layout these blocks are stored in at rest (agentstate.layouts), None: canonical."""
+        return blocks_kt(self.block_size) if self.name == "cpu_vec" else None
 
     def planes(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bs, h, d = self.block_size, self.heads, self.dim
@@ -109,9 +121,12 @@ class BlocksTarget(GuardedTarget):
     def __init__(
         self, planes: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], block_size: int, first: int,
         num_tokens: int, orders: Orders = IDENTITY, stop: int | None = None,
+        native: tuple[int, list[torch.Tensor]] | None = None,
     ) -> None:  # fmt: skip
+        """`native`: (layout code, the layers' own tensors) where chunks of that layout copy as they are."""
         super().__init__()
         self.planes = planes
+        self.native_layout, self.layers = native if native is not None else (None, [])
         self.stop = num_tokens if stop is None else stop
         self.orders = orders
         self.block_ids = block_ids
@@ -125,14 +140,37 @@ class BlocksTarget(GuardedTarget):
                 first=self.first, orders=self.orders)  # fmt: skip
         return start
 
+    def _place_native(self, start: int, n: int, src: NativeKV) -> int:
+        """A chunk in the blocks' own layout: whole blocks are one contiguous copy per layer and run of
+        consecutive block ids; a partial block (at `first` or `stop`) copies its slots through the
+        same strided views on both sides."""
+        bs, dim = self.block_size, src.shape[4]
+        for b, count, lo, hi in _runs(self.block_ids, bs, start, min(n, max(0, self.stop - start)), self.first):
+            j = (lo - start) // bs  # the run's first block within the chunk
+            if hi - lo == count * bs:
+                for layer, data in zip(self.layers, src.data):
+                    layer[b : b + count].copy_(data[j : j + count].view(layer[b : b + count].shape))
+                continue
+            a, z = lo % bs, lo % bs + (hi - lo)  # slots of one partial block
+            for (k, v), data in zip(self.planes, src.data):
+                k_src, v_src = planes_of(data[j : j + 1], bs, dim)
+                k[b, a:z].copy_(k_src[0, a:z])
+                v[b, a:z].copy_(v_src[0, a:z])
+        return start
+
 
 class EngineBlocks:
     """The engine's registered KV caches, one `(K, V)` pair of block views per layer in one layout:
     what loads write into and saves copy out of."""
 
-    def __init__(self, layout: BlockLayout, planes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(
+        self, layout: BlockLayout, planes: list[tuple[torch.Tensor, torch.Tensor]], layers: list[torch.Tensor] | None = None
+    ) -> None:
+        """`layers`: the engine's own per-layer tensors, for native chunks (`layout.native_code`)."""
         self.layout = layout
         self.planes = planes
+        self.layers = layers or []
+        self.native_code = layout.native_code if self.layers and not self.is_cuda else None
 
     @property
     def block_size(self) -> int:
@@ -144,12 +182,24 @@ class EngineBlocks:
 
     def target(self, block_ids: list[int], first: int, num_tokens: int, stop: int) -> BlocksTarget:
         """Where a load of tokens `first .. stop` into these blocks lands (spans may run on to `num_tokens`)."""
+        native = (self.native_code, self.layers) if self.native_code is not None else None
         return BlocksTarget(self.planes, block_ids, self.block_size, first, num_tokens, orders=self.layout.orders,
-                            stop=stop)  # fmt: skip
+                            stop=stop, native=native)  # fmt: skip
 
     def gather(self, block_ids: list[int], n: int, out: torch.Tensor) -> torch.Tensor:
         """Canonical KV of the first `n` tokens of these blocks, copied into `out`."""
         return gather(self.planes, block_ids, self.block_size, 0, n, out, self.layout.orders)
+
+    def gather_native(self, block_ids: list[int]) -> torch.Tensor:
+        """These whole blocks as they lie in memory, `[layers, blocks, heads, 2 * block_size * dim]`
+        (`native_code`'s payload): one contiguous copy per layer and run of consecutive ids."""
+        first = self.layers[0]
+        out = torch.empty((len(self.layers), len(block_ids), *first.shape[1:]), dtype=first.dtype)
+        for b, count, lo, _ in _runs(block_ids, self.block_size, 0, len(block_ids) * self.block_size, 0):
+            j = lo // self.block_size
+            for layer, dst in zip(self.layers, out):
+                dst[j : j + count].copy_(layer[b : b + count])
+        return out.flatten(3)
 
 
 def _runs(block_ids: list[int], block_size: int, start: int, n: int, first: int) -> list[tuple[int, int, int, int]]:

@@ -43,6 +43,13 @@ class VllmSettings(AdapterSettings):
         " sync: loaded before the forward of the step that computes the rest (one step less of latency)",
     )
 
+    native_layout: bool = Field(
+        default=True,
+        description="store full chunks in the engine's own block layout where it has one at rest (CPU: K transposed"
+        " per block), so its loads are plain copies; other readers convert them (counted: layout_conversions)."
+        " false: canonical KV, as every other writer stores",
+    )
+
     serve_port: int | None = Field(
         default=None, ge=1, le=65535,
         description="serve the session API (as `agentstate serve`) from the engine's worker on this port: what an"

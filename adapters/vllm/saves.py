@@ -27,6 +27,7 @@ from agentstate.adapters.vllm.config import ConnectorConfig
 from agentstate.adapters.vllm.metadata import SaveJob, SessionJob
 from agentstate.adapters.vllm.metrics import Counts
 from agentstate.errors import ConflictError
+from agentstate.layouts import NativeKV
 from agentstate.store import StateStore
 
 Future = concurrent.futures.Future
@@ -118,15 +119,17 @@ class Saves:
         return [i not in missing for i in range(len(keys))]
 
     def _copy_out(
-        self, blocks: EngineBlocks, block_ids: list[int], n: int, ready: Any, flag: threading.Event | None
-    ) -> torch.Tensor | None:
-        """Canonical KV of the first `n` tokens of these blocks, or None when revoked meanwhile (the
-        copy may have read blocks another request was already writing)."""
+        self, blocks: EngineBlocks, block_ids: list[int], n: int, ready: Any, flag: threading.Event | None,
+        native: bool = False,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """Canonical KV of the first `n` tokens of these blocks (`native`: the whole blocks as they lie
+        in memory, `blocks.native_code`'s payload), or None when revoked meanwhile (the copy may have
+        read blocks another request was already writing)."""
         if ready is not None:
             ready.synchronize()
         if flag is not None and flag.is_set():
             return None
-        kv = blocks.gather(block_ids, n, self.config.spec.empty_kv(n))
+        kv = blocks.gather_native(block_ids) if native else blocks.gather(block_ids, n, self.config.spec.empty_kv(n))
         if flag is not None and flag.is_set():
             return None
         return kv
@@ -138,14 +141,19 @@ class Saves:
                 store, blocks = self._attached()
                 present = await self._known(store, job.keys)
                 todo = [j for j, known in zip(job.chunks, present) if not known]
-                chunks: dict[int, torch.Tensor] = {}
+                chunks: dict[int, torch.Tensor | NativeKV] = {}
                 if todo:
                     ids = [b for j in todo for b in job.block_ids[j * per : (j + 1) * per]]
-                    kv = await asyncio.to_thread(self._copy_out, blocks, ids, len(todo) * c, ready, flag)
+                    code = blocks.native_code
+                    kv = await asyncio.to_thread(self._copy_out, blocks, ids, len(todo) * c, ready, flag, code is not None)
                     if kv is None:
                         self.counts.add(saves_revoked=len(todo))
                         return
-                    chunks = {j: kv[:, :, k * c : (k + 1) * c] for k, j in enumerate(todo)}
+                    if code is not None:  # [layers, blocks, ...]: chunk k is blocks k*per .. (k+1)*per
+                        shape = self.config.spec.kv_shape(c)
+                        chunks = {j: NativeKV(code, kv[:, k * per : (k + 1) * per], shape) for k, j in enumerate(todo)}
+                    else:
+                        chunks = {j: kv[:, :, k * c : (k + 1) * c] for k, j in enumerate(todo)}
             finally:
                 read.set_result(None)  # the blocks are no longer read: they may be freed
             if chunks:

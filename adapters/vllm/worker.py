@@ -108,7 +108,8 @@ class WorkerSide:
             if kv_caches[name].dtype != spec.torch_dtype:
                 raise InvalidArgumentError(f"KV cache {name} is {kv_caches[name].dtype}, the spec {spec.dtype}")
         log.info("agentstate: %s layout %s (%s %s) at %s", spec.model_id, layout.name, backend, variant, self.path)
-        return EngineBlocks(layout, [layout.planes(kv_caches[n]) for n in names])
+        native = [kv_caches[n] for n in names] if self.config.settings.native_layout else None
+        return EngineBlocks(layout, [layout.planes(kv_caches[n]) for n in names], native)
 
     async def _open(self) -> StateStore:
         config = StoreConfig(**{**self.config.overrides, "path": self.path})

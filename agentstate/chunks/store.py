@@ -38,6 +38,7 @@ from agentstate.chunks.prefetch import PrefetchHandle
 from agentstate.chunks.registry import build_backend
 from agentstate.chunks.tiers import Tier, TierManager, Value
 from agentstate.chunks.transfer import Span, Transfer
+from agentstate.layouts import NativeKV
 from agentstate.config import StoreConfig, TierConfig
 from agentstate.datadir.lock import DataDirLock
 from agentstate.errors import InvalidArgumentError
@@ -415,9 +416,10 @@ class ChunkStore:
         commit that names chunks without writing them (a fork) checks first."""
         return not await self.missing(keys, durable=True)
 
-    async def write(self, keys: Sequence[str], chunks: Sequence[torch.Tensor], *, durable: bool) -> int:
-        """Encode canonical KV chunks and store them where the write policy says, in one store
-        call (one durable write of the record tier); returns encoded bytes. Keys must be pinned."""
+    async def write(self, keys: Sequence[str], chunks: Sequence[torch.Tensor | NativeKV], *, durable: bool) -> int:
+        """Encode KV chunks (canonical, or `NativeKV` in an engine's layout) and store them where the
+        write policy says, in one store call (one durable write of the record tier); returns encoded
+        bytes. Keys must be pinned."""
         return await self._transfer.write(keys, chunks, durable=durable)
 
     async def put_values(

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from agentstate import codec
+from agentstate import codec, layouts
 from agentstate.chunks.io import IOEngine, batches
 from agentstate.chunks.tiers import Tier, TierManager, Value
 from agentstate.errors import AgentStateError, InvalidArgumentError
+from agentstate.layouts import NativeKV
 from agentstate.memory import Buffer, copy_bytes, host_buffer
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget
@@ -57,6 +59,7 @@ class Transfer:
         self.batch_bytes = batch_bytes
         self.promote = promote
         self.counts: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()
         self.read_only = read_only
         self._background: set[asyncio.Future[object]] = set()
 
@@ -111,11 +114,11 @@ class Transfer:
 
             def copy() -> None:
                 for i in from_staged:
-                    src = codec.decode(
+                    src = codec.decode_native(
                         staged[keys[i]], key=keys[i], fingerprint=self.fingerprint, dtype=self.spec.torch_dtype,
                         shape=self.spec.kv_shape(held[i]), verify=False,
                     )  # fmt: skip
-                    target.write(spans[i][0], src[:, :, : spans[i][1]])
+                    place(target, spans[i][0], spans[i][1], self._as(target.native_layout, src))
                     ok[i] = True
                     if lossy is not None and codec.is_lossy(staged[keys[i]]):
                         lossy.add(keys[i])
@@ -125,14 +128,24 @@ class Transfer:
                 usage["bytes_read:staged"] += sum(len(staged[keys[i]]) for i in from_staged)
         rest = [i for i in range(len(keys)) if not ok[i]]
 
-        def into_target(j: int, src: torch.Tensor) -> None:
+        def into_target(j: int, src: torch.Tensor | NativeKV) -> None:
             start, n = spans[rest[j]]
-            target.write(start, src if n == held[rest[j]] else src[:, :, :n])
+            place(target, start, n, src)
 
-        got = await self._read([keys[i] for i in rest], [held[i] for i in rest], into_target, usage=usage, lossy=lossy)
+        got = await self._read([keys[i] for i in rest], [held[i] for i in rest], into_target, usage=usage, lossy=lossy,
+                               native=target.native_layout)  # fmt: skip
         for i, good in zip(rest, got):
             ok[i] = good
         return ok
+
+    def _as(self, native: int | None, src: torch.Tensor | NativeKV) -> torch.Tensor | NativeKV:
+        """`src` as the target takes it: its own layout as it is, any other converted to canonical
+        KV (a copy, counted: `layout_conversions`)."""
+        if isinstance(src, NativeKV) and src.layout != native:
+            with self._counts_lock:  # runs in the pool's threads
+                self.counts["layout_conversions"] += 1
+            return layouts.to_canonical(src.data, src.layout, src.shape)
+        return src
 
     async def fetch(self, keys: Sequence[str], tokens: Sequence[int], *, promote: bool = True) -> dict[str, Value]:
         """Read and check chunks into owned host buffers (staging for prefetch); `promote=False`
@@ -145,13 +158,16 @@ class Transfer:
         self,
         keys: Sequence[str],
         tokens: Sequence[int],
-        deliver: Callable[[int, torch.Tensor], None] | None,
+        deliver: Callable[[int, torch.Tensor | NativeKV], None] | None,
         staged: dict[str, Value] | None = None,
         *,
         usage: Counter[str] | None = None,
         promote: bool = True,
         lossy: set[str] | None = None,
+        native: int | None = None,
     ) -> list[bool]:
+        """Read `keys` from the fastest tier holding an intact copy; `deliver(i, src)` gets chunk i as
+        canonical KV, or as `NativeKV` where it is stored in layout `native` (the target's own)."""
         ok = [False] * len(keys)
         pending = list(range(len(keys)))
         index = self.manager.index
@@ -165,7 +181,7 @@ class Transfer:
             if todo:
                 got = await self._read_tier(
                     tier, [keys[i] for i in todo], [tokens[i] for i in todo], _remap(deliver, todo), staged,
-                    usage=usage, promote=promote, lossy=lossy,
+                    usage=usage, promote=promote, lossy=lossy, native=native,
                 )  # fmt: skip
                 for i, good in zip(todo, got):
                     ok[i] = good
@@ -181,13 +197,14 @@ class Transfer:
         tier: Tier,
         keys: list[str],
         tokens: list[int],
-        deliver: Callable[[int, torch.Tensor], None] | None,
+        deliver: Callable[[int, torch.Tensor | NativeKV], None] | None,
         staged: dict[str, Value] | None,
         account: bool = True,
         *,
         usage: Counter[str] | None = None,
         promote: bool = True,
         lossy: set[str] | None = None,
+        native: int | None = None,
     ) -> list[bool]:
         status = ["missing"] * len(keys)
         sizes_read = [0] * len(keys)
@@ -204,7 +221,7 @@ class Transfer:
             def sink(j: int, view: memoryview) -> None:
                 i = run[j]
                 try:
-                    src = codec.decode(
+                    src = codec.decode_native(
                         view,
                         key=keys[i],
                         fingerprint=self.fingerprint,
@@ -213,7 +230,7 @@ class Transfer:
                         verify=verify,
                     )
                     if deliver is not None:
-                        deliver(i, src)
+                        deliver(i, self._as(native, src))
                 except AgentStateError as exc:
                     status[i] = f"corrupt: {exc}"
                     return
@@ -265,7 +282,7 @@ class Transfer:
 
     # -- writes --------------------------------------------------------------------------------
 
-    async def write(self, keys: Sequence[str], chunks: Sequence[torch.Tensor], *, durable: bool) -> int:
+    async def write(self, keys: Sequence[str], chunks: Sequence[torch.Tensor | NativeKV], *, durable: bool) -> int:
         """Encode `chunks` and store them where the write policy says; returns encoded bytes.
 
         Pipelined: each batch goes to the tiers as soon as it is encoded, so encoding batch i+1
@@ -276,7 +293,7 @@ class Transfer:
         after that, so a crash leaves the old session or the new one (chunks of a snapshot that
         never committed are garbage that gc removes).
         """
-        sizes = [codec.encoded_size(c.numel() * c.element_size()) for c in chunks]
+        sizes = [codec.encoded_size(codec.payload_bytes(c)) for c in chunks]
         loop = asyncio.get_running_loop()
 
         def encode(run: list[int]) -> list[Value]:
@@ -301,9 +318,17 @@ class Transfer:
         return sum(sizes)
 
 
+def place(target: KVTarget, start: int, n: int, src: torch.Tensor | NativeKV) -> None:
+    """The first `n` tokens of chunk `src` into `target` at token `start`."""
+    if isinstance(src, NativeKV):
+        target.write_native(start, n, src)
+    else:
+        target.write(start, src if n == src.shape[2] else src[:, :, :n])
+
+
 def _remap(
-    deliver: Callable[[int, torch.Tensor], None] | None, positions: list[int]
-) -> Callable[[int, torch.Tensor], None] | None:
+    deliver: Callable[[int, torch.Tensor | NativeKV], None] | None, positions: list[int]
+) -> Callable[[int, torch.Tensor | NativeKV], None] | None:
     """`deliver` addressed by position in a sub-list instead of in the whole request."""
     if deliver is None:
         return None

@@ -111,6 +111,10 @@ _STORE_COUNTERS = {  # chunk-layer counter -> (family, help)
         "Encodes written into the buffer of an earlier value a copying tier (LMDB, files, Redis) had stored.",
     ),
     "scratch_fresh": ("agentstate_scratch_fresh", "Encodes that found no such buffer of their size: fresh memory."),
+    "layout_conversions": (
+        "agentstate_layout_conversions",
+        "Chunks stored in an engine's own layout (vLLM's CPU blocks) converted to canonical KV for another reader.",
+    ),
 }
 
 
