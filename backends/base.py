@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import sys
 from abc import ABC, abstractmethod
@@ -169,6 +170,12 @@ class Backend(ABC):
     def value_buffer(self, nbytes: int) -> Buffer | None:
         """A touched buffer of `nbytes` this tier recycles for values headed its way (the host tier's
         arena), or None: the caller allocates. Contents are stale: the caller overwrites every byte."""
+        return None
+
+    def peek(self, key: str) -> bytes | bytearray | memoryview | mmap.mmap | None:
+        """From any thread, without the event loop: the value object an in-process memory tier holds
+        for `key`, or None (every other tier: read it with `read`). Values are immutable, and a
+        reference held keeps the buffer from reuse even if the tier drops the key meanwhile."""
         return None
 
     def prefault(self, nbytes: int, count: int) -> None:

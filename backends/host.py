@@ -89,6 +89,9 @@ class HostBackend(InMemory, Backend):
             self._used += len(owned)
             self._counts["writes"] += 1
 
+    def peek(self, key: str) -> bytes | bytearray | mmap.mmap | None:
+        return self._items.get(key)  # one dict lookup: atomic under the GIL, from any thread
+
     def value_buffer(self, nbytes: int) -> Buffer:
         return self.arena.take(nbytes)
 

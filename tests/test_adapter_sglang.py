@@ -216,6 +216,61 @@ def test_many_threads_at_once(attach: Callable[..., AgentStateStorage]) -> None:
     assert pool.page_bits(127 * PS).equal(pool.page_bits(120 * PS))
 
 
+def test_reads_in_the_callers_thread_never_serve_a_buffer_reused_under_them(
+    attach: Callable[..., AgentStateStorage], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pages the host tier holds are copied in SGLang's own thread (`ChunkStore.read_held`), beside
+    the store's loop, which meanwhile evicts them and hands their buffers to the next encodes (the
+    arena). A host tier of about 12 pages, a writer storing new pages without pause, readers reading
+    16 pages again and again: every page reported read holds exactly its own bytes."""
+    import agentstate.arena
+
+    monkeypatch.setattr(agentstate.arena, "MIN_BYTES", 1024)  # these 1.6 KB pages are recycled too
+    pool = StandInHostPool(pages=128, seed=3)
+    backend = attach(pool, host_capacity_bytes=12 * 1600, host_arena_bytes=1 << 20)
+    fixed = [f"r{i}" for i in range(16)]
+    assert backend.batch_set_v1(fixed, pages(*range(16))) == [True] * 16  # pages 0..15: what readers check
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    served = [0, 0]  # pages read, and those the host tier still held (read in the caller's thread)
+
+    def writer() -> None:
+        n = 0
+        while not stop.is_set():
+            keys = [f"w{n}-{j}" for j in range(4)]
+            n += 1
+            if backend.batch_set_v1(keys, pages(*(16 + (n + j) % 32 for j in range(4)))) != [True] * 4:
+                errors.append(AssertionError(f"write {n} failed"))
+
+    def reader(t: int) -> None:
+        dest = [64 + 16 * t + i for i in range(16)]
+        try:
+            for _ in range(40):
+                pool.zero_pages(*dest)
+                held = backend.store.chunks.in_memory  # type: ignore[union-attr]
+                before = sum(held(backend.storage_key(k)) for k in fixed)
+                got = backend.batch_get_v1(fixed, pages(*dest))
+                served[0] += sum(got)
+                served[1] += before
+                for i, ok in enumerate(got):
+                    assert ok, f"page {i} unread: LMDB holds every one"
+                    assert pool.page_bits(dest[i] * PS).equal(pool.page_bits(i * PS)), f"page {i}: wrong bytes"
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads[1:]:
+        th.join()
+    stop.set()
+    threads[0].join()
+    assert errors == []
+    assert served[0] == 3 * 40 * 16 and served[1] > 0  # some from host memory, under eviction
+    arena = backend.store.chunks.backend("host").arena.stats()  # type: ignore[union-attr, attr-defined]
+    assert arena.reused > 0  # evicted buffers did serve new values meanwhile
+
+
 def test_tp_rank_and_dtype_never_collide(attach: Callable[..., AgentStateStorage], tmp_path: Path) -> None:
     bf16, fp16 = StandInHostPool(dtype=torch.bfloat16), StandInHostPool(dtype=torch.float16)
     first = attach(bf16)

@@ -138,6 +138,38 @@ async def test_a_read_in_flight_keeps_its_buffer_while_the_key_is_dropped_and_re
     await host.close()
 
 
+async def test_a_read_in_the_callers_thread_keeps_its_buffer_while_the_key_is_evicted_and_rewritten(open_store) -> None:  # type: ignore[no-untyped-def]
+    """`ChunkStore.read_held` copies a host value in the caller's thread (SGLang's), with no pin and no
+    hop to the loop; the loop meanwhile evicts the key and writes new values of the same size into
+    recycled buffers: the reader still gets the bytes it was given, and that buffer is not recycled."""
+    layout = [TierConfig(kind="host", capacity_bytes=2 * CHUNK_BYTES), TierConfig(kind="lmdb")]
+    async with open_store(tiers=layout, host_arena_bytes=8 * CHUNK_BYTES) as store:
+        tokens, kv = random_tokens(64, seed=1), random_kv(SPEC4, 64, seed=1)
+        await store.put_prefix(tokens, kv)
+        key = store.chunk_keys(tokens)[0]
+        entered, go = threading.Event(), threading.Event()
+        seen: list[torch.Tensor] = []
+
+        def slow(i: int, src: torch.Tensor) -> None:
+            entered.set()
+            go.wait(10)
+            seen.append(src.clone())
+
+        reading = asyncio.get_running_loop().run_in_executor(None, store.chunks.read_held, [key], [64], slow)
+        await asyncio.to_thread(entered.wait, 10)
+        for n in range(6):  # a host tier of two chunks: the key goes, and new values take freed buffers
+            await store.put_prefix(random_tokens(64, seed=10 + n), random_kv(SPEC4, 64, seed=10 + n))
+        assert "host" not in store.chunks.where(key)
+        go.set()
+        assert await reading == [True]
+        assert bits_equal(seen[0], kv)
+        arena = (await store.chunks.stats())[0]
+        assert arena.arena_reused > 0  # buffers were recycled meanwhile, just not the one being read
+        assert store.chunks.read_held([key], [64], slow) == [False]  # not held any more: `read` it
+        into = torch.zeros_like(kv)
+        assert await store.load(tokens, into) == 64 and bits_equal(into, kv)
+
+
 async def test_sessions_stay_bit_exact_under_eviction_with_holds_and_pins_while_buffers_recycle(open_store) -> None:  # type: ignore[no-untyped-def]
     layout = [TierConfig(kind="host", capacity_bytes=6 * CHUNK_BYTES), TierConfig(kind="lmdb")]
     sessions: dict[str, tuple[list[int], torch.Tensor]] = {}

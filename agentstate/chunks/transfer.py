@@ -147,6 +147,39 @@ class Transfer:
             return layouts.to_canonical(src.data, src.layout, src.shape)
         return src
 
+    def read_held(
+        self, tier: Tier, keys: Sequence[str], tokens: Sequence[int], deliver: Callable[[int, torch.Tensor], None]
+    ) -> list[bool]:
+        """Chunks an in-process memory tier holds (`Backend.peek`), decoded and handed to `deliver(i,
+        canonical KV)` in the calling thread, whatever thread that is; False for the others (absent,
+        or a copy that does not check out: `read` them, which drops a bad copy). Accounting is the
+        caller's: `account_held` on the loop."""
+        ok = []
+        for i, key in enumerate(keys):
+            value = tier.backend.peek(key)  # held here: the buffer is not reused while we copy from it
+            if value is None:
+                ok.append(False)
+                continue
+            try:
+                src = codec.decode_native(
+                    value, key=key, fingerprint=self.fingerprint, dtype=self.spec.torch_dtype,
+                    shape=self.spec.kv_shape(tokens[i]), verify=not tier.backend.trusted,
+                )  # fmt: skip
+            except AgentStateError:
+                ok.append(False)
+                continue
+            deliver(i, self._as(None, src))  # type: ignore[arg-type]  # canonical: _as(None) converts
+            ok.append(True)
+        return ok
+
+    def account_held(self, tier: Tier, keys: Sequence[str]) -> None:
+        """On the loop: what `read_held` served counts as hits of `tier` (LRU, counters), as a read would."""
+        self.counts["chunks_read"] += len(keys)
+        self.manager.count(tier, hits=len(keys))
+        held = [k for k in keys if self.manager.index.holds(k, tier.name)]  # evicted meanwhile: nothing to touch
+        if held:
+            self._spawn(self.manager.hit(tier, held, {}))
+
     async def fetch(self, keys: Sequence[str], tokens: Sequence[int], *, promote: bool = True) -> dict[str, Value]:
         """Read and check chunks into owned host buffers (staging for prefetch); `promote=False`
         leaves promotion to the caller (which puts them where it wants)."""
