@@ -936,14 +936,17 @@ def bounds(
         )
     sent = [r for r in results if r.mode == "lru" and r.redis_sent]
     if sent:
+        twice = max(r.redis_sent / max(slow_gb(r) * GB, 1.0) for r in sent) > 1.2
         out.append(
-            "- Promotion reads Redis twice: in lru, redis-server sent "
-            + ", ".join(f"{r.redis_sent / GB:.1f} GB ({label(r)})" for r in sent)
-            + " for "
-            + ", ".join(f"{slow_gb(r):.1f} GB" for r in sent)
-            + " of counted Redis reads: a chunk a resume read from Redis is read from Redis again to be put into"
-            " the host tier (the promotion re-reads the chunks it has just read, cheap from a page cache, a second"
-            " network transfer from a remote tier)."
+            "- Bytes redis-server sent against the Redis reads counted, in lru: "
+            + ", ".join(f"{r.redis_sent / GB:.1f} GB for {slow_gb(r):.1f} GB ({label(r)})" for r in sent)
+            + (
+                ": a chunk a resume read from Redis is read from Redis again to be put into the host tier (a second"
+                " network transfer)."
+                if twice
+                else ": each chunk crosses the network once (a read from a remote tier is promoted into host memory"
+                " from the bytes it read, not read again; before 2026-12-05 the server sent twice the counted bytes)."
+            )
         )
     return out
 
