@@ -245,7 +245,7 @@ def decode(
 ) -> torch.Tensor:
     """Check `buf`, read under `key`, completely and return canonical KV: a zero-copy tensor view
     over its payload, or, for a payload in an engine's own layout, a canonical copy of it (the
-    caller counts those: `layout_of`).
+    store's reads count those: `layout_conversions`).
 
     The view shares memory with `buf`: copy out of it before the buffer is reused or released.
     `verify=False` skips only the checksum (and so the key binding), for bytes this process
@@ -275,11 +275,6 @@ def decode_native(
     else:
         data = torch.frombuffer(view[HEADER_SIZE:], dtype=dtype).view(layouts.native_shape(layout, got))
     return data if layout == LAYOUT_CANONICAL else NativeKV(layout, data, got)
-
-
-def layout_of(buf: Buffer) -> int:
-    """The layout code of a chunk `decode` already checked."""
-    return memoryview(buf)[7] if len(buf) > 7 else LAYOUT_CANONICAL
 
 
 def decode_into(buf: Buffer, dest: torch.Tensor, *, key: str, fingerprint: str, verify: bool = True) -> None:

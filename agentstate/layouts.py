@@ -78,11 +78,9 @@ def planes_of(blocks: torch.Tensor, block_size: int, dim: int) -> tuple[torch.Te
 
 
 def to_canonical(payload: torch.Tensor, layout: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """A canonical copy of a payload in `layout` (already shaped `native_shape(layout, shape)`)."""
+    """A canonical copy of a payload in native `layout` (already shaped `native_shape(layout, shape)`)."""
     import torch
 
-    if layout == CANONICAL:
-        return payload.clone()
     bs = block_size_of(layout)
     assert bs is not None
     layers, _, tokens, heads, dim = shape

@@ -66,7 +66,7 @@ def test_a_native_chunk_decodes_to_the_canonical_kv_bit_exact(bs: int, dtype: to
         codec.decode(buf, key="other", fingerprint=FP, dtype=dtype)  # bound to its key, as canonical chunks
     # a canonical chunk of the same KV: the same elements, so the same canonical KV out
     plain = codec.encode(kv, FP, key="k")
-    assert codec.layout_of(plain) == codec.LAYOUT_CANONICAL
+    assert codec.read_header(plain).layout == codec.LAYOUT_CANONICAL
     assert bits_equal(codec.decode(plain, key="k", fingerprint=FP, dtype=dtype), kv)
 
 

@@ -69,10 +69,9 @@ class BlockLayout:
         if self.name == "cpu_vec":
             if layer.dim() != 4 or tuple(layer.shape[1:]) != (h, bs, 2 * d):
                 raise InvalidArgumentError(f"CPU KV tensor {tuple(layer.shape)} is not [blocks, {h}, {bs}, {2 * d}]")
-            n = layer.shape[0]
-            k = layer.view(n, h, 2, d, bs)[:, :, 0].permute(0, 3, 1, 2)  # K^T inside (block, head)
-            v = layer.view(n, h, 2, bs, d)[:, :, 1].permute(0, 2, 1, 3)
-            return k, v
+            # K^T inside (block, head): the layout chunks keep at rest too. view, never a copy: these
+            # planes must be the engine's memory
+            return planes_of(layer.view(layer.shape[0], h, 2 * bs * d), bs, d)
         if self.name in ("flash_nhd", "flash_hnd"):
             if layer.dim() != 5 or layer.shape[0] != 2:
                 raise InvalidArgumentError(f"flash-attention KV tensor {tuple(layer.shape)} is not [2, blocks, ...]")
