@@ -7,8 +7,9 @@ skipped for `breaker_cooldown_s` without touching the network. Writes that fail 
 BackendError (retryable); they never leave a partial value, since SET is atomic per key.
 
 Reads (`get_into`, `read`) go through `redis_wire`: GET replies parsed straight into the caller's
-buffers over a few pipelined connections per node. Everything else, and any read that client cannot
-settle (TLS or unusual URLs, MOVED/ASK, a reply it doubts), goes through redis-py.
+buffers over a few pipelined connections per node; writes (`put`) through `redis_writes`: pipelined
+SETs sent from the values' own memory. Everything else, and any read or write those clients cannot
+settle (TLS or unusual URLs, MOVED/ASK, a refused handshake), goes through redis-py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from urllib.parse import urlsplit
 from agentstate.backends import redis_wire as wire
 from agentstate.backends.base import Backend, BackendStats, ReadSink
 from agentstate.backends.redis_pool import WireReader
+from agentstate.backends.redis_writes import WireWriter
 from agentstate.edges import CORE_PREFIXES, key_spaces
 from agentstate.errors import AgentStateError, BackendError, BackendRefusedError, CapacityError, InvalidArgumentError
 
@@ -156,6 +158,7 @@ class RedisBackend(Backend):
         # The wire read path: None where the URL needs redis-py (TLS, a unix socket, URL options).
         config = wire.wire_config(url)
         self._wire = WireReader(self, config, connections, retries) if config else None
+        self._writer = WireWriter(self, self._wire, connections, retries) if self._wire else None
 
     def stored_key(self, key: str) -> str:
         """The name `key` is stored under in Redis (this tier's prefix added)."""
@@ -372,6 +375,26 @@ class RedisBackend(Backend):
     async def put(self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]) -> None:
         if not keys:
             return
+        if len(keys) != len(values):
+            raise InvalidArgumentError("keys and values differ in length")
+        if self._writer is None:
+            return await self.put_via_client(keys, values)
+        views = [_byte_view(v) for v in values]
+        errors, doubt = await self._writer.put(keys, views, self.ttl_seconds)
+        self._counts["writes"] += sum(e is None for e in errors)
+        asked = set(doubt)
+        failed = [e for i, e in enumerate(errors) if e is not None and i not in asked]
+        if doubt:
+            try:
+                await self.put_via_client([keys[i] for i in doubt], [views[i] for i in doubt])
+            except AgentStateError as exc:
+                failed.append(exc)
+        if failed:  # the most specific reason: a full store is a CapacityError, not an outage
+            raise next((e for e in failed if isinstance(e, CapacityError)), failed[0])
+
+    async def put_via_client(self, keys: Sequence[str], values: Sequence[bytes | bytearray | memoryview]) -> None:
+        """SETs through redis-py: the wire writer's fallback (TLS or unusual URLs, MOVED/ASK, a refused
+        handshake)."""
         data = dict(zip(keys, values, strict=True))
         errors: list[AgentStateError] = []
         # A view, not a copy: redis-py sends memoryviews as they are; they live until the call returns.
@@ -437,6 +460,8 @@ class RedisBackend(Backend):
     async def close(self) -> None:
         if self._wire is not None:
             self._wire.close()
+        if self._writer is not None:
+            self._writer.close()
         await self._client.aclose()
 
 

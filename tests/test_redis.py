@@ -55,10 +55,10 @@ async def test_dropped_connections_are_retried_and_refusals_are_typed_not_retrie
         got: list[bytes] = []
         assert await b.read(["c/a"], lambda i, v: got.append(bytes(v))) == [True] and got == [value]
         assert b.trips == 0  # retried inside the call: no failure seen
+        await admin.execute_command("LPUSH", "agentstate:c/list", "x")  # a key of the wrong type
         with pytest.raises(CapacityError) as err:  # OOM reply: the store is full, retrying cannot help
             await b.put([f"c/big{i}" for i in range(8)], [os.urandom(1 << 20) for _ in range(8)])
         assert not err.value.retryable and b.trips == 0  # an answer, not an outage
-        await admin.execute_command("LPUSH", "agentstate:c/list", "x")  # a key of the wrong type
         assert await b.read(["c/list", "c/a"], lambda i, v: None) == [False, True]  # WRONGTYPE: a miss
         assert (await b.stats()).misses >= 1 and b.trips == 0
     finally:
