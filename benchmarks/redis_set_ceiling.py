@@ -8,6 +8,8 @@ redis-server of its own on loopback, the same values and clients, in one run:
 - redis-py: asyncio pipelines of 4 SETs (the tier's write path), values passed as memoryviews;
 - sock_sendall: a raw socket per client, each SET's header, the value's own memory and its CRLF
   handed to `loop.sock_sendall` (no copy in Python), replies read after each 4;
+- agentstate: the tier's own writer (`backends/redis_writes.py`: batches of 4 SETs per client,
+  scatter-gathered with `sendmsg` from the values' memory), one connection per client;
 - redis-benchmark: redis's own C client (`-t set -d <value> -c <clients>`).
 
 The values are prepared before timing (no encode, no checksum): what is left is the client's send
@@ -84,6 +86,26 @@ async def sock_sendall(port: int, values: list[bytearray], count: int, clients: 
     return count * size / 1e9 / took
 
 
+async def agentstate_writer(port: int, values: list[bytearray], count: int, clients: int) -> float:
+    from agentstate.backends.redis_wire import WireConfig
+    from agentstate.backends.redis_writes import Item, NodeWriters
+
+    pool = NodeWriters(WireConfig("127.0.0.1", port), clients)
+
+    async def run(part: list[int]) -> None:
+        for i in range(0, len(part), 4):
+            items = [Item(f"k{k}".encode(), memoryview(values[k % len(values)])) for k in part[i : i + 4]]
+            got = await pool.put(items, None, timeout=60, retries=0)
+            if any(g is not None for g in got):
+                raise RuntimeError(f"a SET failed: {got}")
+
+    t = time.perf_counter()
+    await asyncio.gather(*(run(list(range(j, count, clients))) for j in range(clients)))
+    took = time.perf_counter() - t
+    pool.close()
+    return count * len(values[0]) / 1e9 / took
+
+
 def redis_benchmark(port: int, size: int, count: int, clients: int) -> float:
     out = subprocess.run(
         ["redis-benchmark", "-p", str(port), "-t", "set", "-d", str(size), "-n", str(count), "-c", str(clients), "--csv"],
@@ -108,18 +130,21 @@ async def main() -> None:
     values = [bytearray(os.urandom(1024) * (size // 1024)) for _ in range(4)]
     server = RedisServer(Path(tempfile.mkdtemp(prefix="redis_set_ceiling_"))).start()
     try:
-        print(f"| clients | redis-py GB/s | sock_sendall GB/s | redis-benchmark GB/s | redis-py / redis-benchmark |")
-        print("|---:|---:|---:|---:|---:|")
+        print("| clients | redis-py GB/s | sock_sendall GB/s | agentstate writer GB/s | redis-benchmark GB/s "
+              "| redis-py / redis-benchmark | agentstate / redis-benchmark |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|")
         for clients in args.clients:
             ours = await redis_py(server.url, values, args.values, clients)
             raw = await sock_sendall(server.port, values, args.values, clients)
+            mine = await agentstate_writer(server.port, values, args.values, clients)
             import redis.asyncio as aioredis
 
             admin = aioredis.Redis.from_url(server.url)
             await admin.flushall()
             await admin.aclose()
             peer = redis_benchmark(server.port, size, args.values, clients)
-            print(f"| {clients} | {ours:.2f} | {raw:.2f} | {peer:.2f} | {ours / peer:.2f} |", flush=True)
+            print(f"| {clients} | {ours:.2f} | {raw:.2f} | {mine:.2f} | {peer:.2f} | {ours / peer:.2f} "
+                  f"| {mine / peer:.2f} |", flush=True)  # fmt: skip
     finally:
         server.stop()
 
