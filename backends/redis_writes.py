@@ -153,6 +153,22 @@ class SetConnection:
             self._lines.extend(lines)
         return self._lines.popleft()
 
+    def _quiet(self) -> None:
+        """Before a batch: an idle connection has nothing to read. Bytes there are replies nobody asked
+        for (the stream is out of sync: they must never confirm this batch's SETs); an end of stream is
+        a server that closed it while idle."""
+        if self._lines or self._pending:
+            raise WireProtocolError("replies nobody asked for")
+        try:
+            data = self.sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            raise WireError(f"connection lost ({type(exc).__name__})") from None
+        if not data:
+            raise WireError("connection lost (closed by the server while idle)")
+        raise WireProtocolError("replies nobody asked for")
+
     async def set_many(self, items: Sequence[Item], ttl: int | None, out: list[str | None]) -> None:
         """SET each item; appends to `out` per item, in order, OK (None) or its error reply. Raises
         WireError when the connection fails: the items past those in `out` are then in doubt (the
@@ -166,7 +182,9 @@ class SetConnection:
             pieces += [memoryview(head), item.value]
             tail = b"\r\n" + ex
         pieces.append(memoryview(tail))
+        start = len(out)
         try:
+            self._quiet()
             await self._send(pieces)
             for _ in items:
                 line = await self._line()
@@ -176,6 +194,9 @@ class SetConnection:
                     out.append(line[1:].decode("utf-8", "replace"))
                 else:  # no SET answers so: the stream is out of sync, nothing after it can be trusted
                     raise WireProtocolError(f"a {line[:1]!r} reply to SET")
+            if self._lines or self._pending:  # more than was asked: which reply answered what is unknown
+                del out[start:]
+                raise WireProtocolError("replies nobody asked for")
         except BaseException:
             self.close()  # half a command may be on the wire, or replies in doubt: never reused
             raise

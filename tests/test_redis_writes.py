@@ -283,3 +283,51 @@ async def test_a_server_that_refuses_auth_is_a_handshake_refusal_not_retried() -
     finally:
         pool.close()
         server.close()
+
+
+async def test_replies_nobody_asked_for_never_confirm_a_write() -> None:
+    """A server that answers twice, or speaks while the connection is idle: its extra +OK must not be
+    taken for the next SET's confirmation."""
+    stored: dict[bytes, bytes] = {}
+    server, port = await fake_server(lambda n, key: (b"+OK\r\n+OK\r\n", True), stored)
+    pool = NodeWriters(WireConfig("127.0.0.1", port), 1)
+    try:
+        out = await pool.put([Item(b"a", memoryview(b"1")), Item(b"b", memoryview(b"2"))], None, timeout=2.0, retries=1)
+        assert all(isinstance(o, WireProtocolError) for o in out) and pool.opened == 0
+    finally:
+        pool.close()
+        server.close()
+
+    connections = [0]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections[0] += 1
+        first = connections[0] == 1
+        try:
+            while line := await reader.readline():
+                args = []
+                for _ in range(int(line[1:])):
+                    n = int((await reader.readline())[1:])
+                    args.append((await reader.readexactly(n + 2))[:n])
+                stored[args[1]] = args[2]
+                writer.write(b"+OK\r\n")
+                if first:  # then, while the connection is idle, one more nobody asked for
+                    await asyncio.sleep(0.05)
+                    writer.write(b"+OK\r\n")
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    pool = NodeWriters(WireConfig("127.0.0.1", server.sockets[0].getsockname()[1]), 1)
+    try:
+        assert await pool.put([Item(b"c", memoryview(b"3"))], None, timeout=2.0) == [None]
+        first_conn = pool.idle[0]
+        await asyncio.sleep(0.2)  # the unsolicited reply arrives
+        assert await pool.put([Item(b"d", memoryview(b"4"))], None, timeout=2.0) == [None]
+        assert first_conn.closed and connections[0] == 2 and stored[b"d"] == b"4"  # sent again, on a fresh one
+    finally:
+        pool.close()
+        server.close()
