@@ -17,6 +17,7 @@ from pydantic import (
 )  # fmt: skip
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from agentstate.events import KVEventsConfig
 from agentstate.keys import validate_id
 
 GiB = 1 << 30
@@ -344,12 +345,28 @@ class StoreConfig(BaseSettings):
         description="largest record a framework may keep beside a session (a checkpoint, a conversation item;"
         " agentstate.records): bounds what one write can ask of the catalog",
     )  # fmt: skip
+    kv_events: KVEventsConfig | None = Field(
+        default=None,
+        description="publish what the tiers hold as vLLM KV events over ZMQ (agentstate.events), for routers;"
+        " keys as vLLM's --kv-events-config, plus the routed engines' block_size and hash_algo",
+    )  # fmt: skip
     disk_reserve_bytes: Bytes = Field(
         default=MiB, ge=0, le=GiB,
         description="room held free on the disk of the data directory (an unnamed preallocated file), spent only"
         " when a delete or gc meets a full disk: freeing space needs free pages first (LMDB copies what it"
         " changes), so without it a full disk could refuse the very deletes that make room; 0 holds none",
     )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _events_fit_chunks(self) -> StoreConfig:
+        """A chunk is announced as whole blocks of the routed engines: it must hold a whole number of them."""
+        ev = self.kv_events
+        if ev is not None and ev.enable_kv_cache_events and self.chunk_tokens % ev.block_size:
+            raise ValueError(
+                f"kv_events.block_size ({ev.block_size}) must divide chunk_tokens ({self.chunk_tokens}):"
+                " a chunk is announced as whole blocks"
+            )
+        return self
 
     @property
     def lossy(self) -> bool:

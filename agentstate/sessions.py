@@ -109,6 +109,7 @@ class Sessions:
                 await self._discard_attempt(request.keys, tkey, exc)
                 raise
             self.usage_log.add(self.tenant, session_id, written.usage(manifest))
+            self.chunks.learn(manifest.chunk_keys, request.tokens)
             hold_retained(self.chunks, manifest)
             await self.scope.collect(committed.zeroed)
             if committed.old_tail and committed.old_tail != tkey:
@@ -192,6 +193,8 @@ class Sessions:
             ok = await self.chunks.read(keys, spans, target, usage=usage, lossy=lossy)
         target.synchronize()
         lead = leading(ok)
+        if manifest.chunk_tokens == self.scope.chunk_tokens:
+            self.chunks.learn(manifest.chunk_keys[: min(lead, len(manifest.chunk_keys))], manifest.tokens)
         restored = manifest.num_tokens if lead == len(keys) else lead * manifest.chunk_tokens
         usage.update(resumes=1, tokens_read=restored, tokens_recomputed=manifest.num_tokens - restored)
         self.usage_log.add(self.tenant, session_id, usage)

@@ -230,7 +230,9 @@ class StateStore:
         packed = token_array(tokens)
         self.spec.check_kv(kv, len(packed))
         keys = self._scope.chunk_keys(packed)
-        return await self._store_prefix(keys, self._scope.slices(kv, len(keys)), keys)
+        stored = await self._store_prefix(keys, self._scope.slices(kv, len(keys)), keys)
+        self.chunks.learn(keys, packed)
+        return stored
 
     async def put_chunks(
         self, tokens: Sequence[int] | torch.Tensor, chunks: Mapping[int, torch.Tensor | NativeKV]
@@ -244,7 +246,8 @@ class StateStore:
         prefix through the last given chunk is recorded (kept until removed, as `put_prefix`).
         Returns how many tokens were newly stored.
         """
-        keys = self._scope.chunk_keys(token_array(tokens))
+        packed = token_array(tokens)
+        keys = self._scope.chunk_keys(packed)
         if not chunks:
             return 0
         if min(chunks) < 0 or max(chunks) >= len(keys):
@@ -255,7 +258,9 @@ class StateStore:
             else:
                 self.spec.check_kv(kv, self.chunk_tokens)
         order = sorted(chunks)
-        return await self._store_prefix([keys[i] for i in order], [chunks[i] for i in order], keys[: order[-1] + 1])
+        stored = await self._store_prefix([keys[i] for i in order], [chunks[i] for i in order], keys[: order[-1] + 1])
+        self.chunks.learn(keys[: order[-1] + 1], packed)
+        return stored
 
     async def _store_prefix(
         self, keys: list[ChunkKey], kv: Sequence[torch.Tensor | NativeKV], prefix: list[ChunkKey]
@@ -284,8 +289,10 @@ class StateStore:
 
     async def match(self, tokens: Sequence[int] | torch.Tensor) -> MatchResult:
         """How many leading tokens are cached (whole chunks), and which tier serves each chunk."""
-        keys = self._scope.chunk_keys(token_array(tokens))
+        packed = token_array(tokens)
+        keys = self._scope.chunk_keys(packed)
         n = await self.chunks.lookup(keys)
+        self.chunks.learn(keys[:n], packed)
         tiers = [self.chunks.fastest(k) or "" for k in keys[:n]]
         return MatchResult(tokens=n * self.chunk_tokens, chunks=n, tiers=tiers)
 
@@ -335,6 +342,7 @@ class StateStore:
             ok = await self.chunks.read(keys[:n], self._scope.spans(n), target, staged=staged, usage=usage)
         target.synchronize()
         landed = leading(ok) * self.chunk_tokens
+        self.chunks.learn(keys[: leading(ok)], packed)
         usage.update(loads=1, tokens_read=landed, tokens_recomputed=len(packed) - landed)
         self.usage_log.add(self.tenant, None, usage)
         return landed

@@ -12,6 +12,13 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class IndexListener(Protocol):
+    def added(self, keys: list[str], tier: str) -> None: ...
+
+    def discarded(self, keys: list[str], tier: str) -> None: ...
 
 
 @dataclass
@@ -31,21 +38,29 @@ class ChunkIndex:
     def __init__(self) -> None:
         self._nodes: dict[str, Residency] = {}
         self._pins: Counter[str] = Counter()
+        self.listener: IndexListener | None = None
+        """told of every change of residency (the store's KV events)"""
 
     def __len__(self) -> int:
         return len(self._nodes)
 
     def add(self, keys: Iterable[str], tier: str) -> None:
+        keys = list(keys)
         for key in keys:
             self._nodes.setdefault(key, Residency()).tiers.add(tier)
+        if self.listener is not None and keys:
+            self.listener.added(keys, tier)
 
     def discard(self, keys: Iterable[str], tier: str) -> None:
+        keys = list(keys)
         for key in keys:
             node = self._nodes.get(key)
             if node is not None:
                 node.tiers.discard(tier)
                 if not node.tiers:
                     del self._nodes[key]
+        if self.listener is not None and keys:
+            self.listener.discarded(keys, tier)
 
     def tiers_of(self, key: str) -> set[str]:
         node = self._nodes.get(key)

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import math
+from array import array
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,7 @@ from agentstate.layouts import NativeKV
 from agentstate.config import StoreConfig, TierConfig
 from agentstate.datadir.lock import DataDirLock
 from agentstate.errors import InvalidArgumentError
+from agentstate.events import KVEvents, ZmqPublisher
 from agentstate.arena import ValueArena
 from agentstate.memory import Buffer, BufferPool
 from agentstate.spec import ModelSpec
@@ -190,6 +192,14 @@ class ChunkStore:
         self._counts: Counter[str] = Counter()  # prefetch_timeouts, gc_removed
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None  # set by open: where read_held accounts its hits
+        self.events: KVEvents | None = None
+        """what the tiers hold, published for routers (`kv_events`); None when off"""
+        self._publisher: ZmqPublisher | None = None
+        ev = config.kv_events
+        if ev is not None and ev.enable_kv_cache_events and not read_only:
+            mediums = {t.name: _medium(t, self._kinds.get(t.name, "")) for t in self._manager.tiers}
+            self.events = KVEvents(ev, mediums, config.chunk_tokens)
+            self._index.listener = self.events
 
     def _tier(self, cfg: TierConfig) -> Tier:
         backend = build_backend(cfg, self.config)
@@ -200,12 +210,28 @@ class ChunkStore:
         """Adopt what the local durable tiers hold under `prefixes`: a reopened store finds all it had.
         Starts touching `host_prefault_bytes` of full-chunk buffers for the host tier's arena."""
         self._loop = asyncio.get_running_loop()
+        if self.events is not None:
+            self.events.cleared()  # what an earlier run announced is unknown now: routers start over
+            if self.events.config.publisher == "zmq":
+                self._publisher = ZmqPublisher(self.events)
         await self.adopt(prefixes)
         if self.config.host_prefault_bytes and not self._read_only:
             size = codec.encoded_size(self.config.chunk_tokens * self.spec.token_bytes)
             for tier in self._manager.tiers:
                 tier.backend.prefault(size, self.config.host_prefault_bytes // size)
         return self
+
+    def learn(self, keys: Sequence[str], tokens: Sequence[int] | array, salt: str | None = None) -> None:
+        """The tokens behind chunk `keys` (a chain from the sequence's start), for the KV events: chunks
+        are announced to routers only once their tokens are known (keys are one-way hashes)."""
+        if self.events is not None and keys:
+            self.events.learn(keys, tokens, self._index.tiers_of, salt)
+
+    @property
+    def publisher_endpoints(self) -> tuple[str, str | None] | None:
+        """Where the KV events are published and replayed (the bound addresses), when they are."""
+        p = self._publisher
+        return None if p is None else (p.endpoint, p.replay_endpoint)
 
     def value_buffer(self, nbytes: int) -> Buffer:
         """Where to write a value (an encode, a promotion's copy): a touched buffer a tier recycles
@@ -707,6 +733,8 @@ class ChunkStore:
             for tier in self._manager.tiers:
                 await tier.backend.close()
         finally:
+            if self._publisher is not None:
+                self._publisher.close()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self._buffers.clear()
@@ -729,6 +757,15 @@ class _CountedPrefetch(PrefetchHandle):
         if not done:
             self._counts["prefetch_timeouts"] += 1
         return done
+
+
+def _medium(tier: Tier, kind: str) -> tuple[str, str]:
+    """A tier as KV events name it: (medium, locality), vLLM's vocabulary."""
+    if tier.is_device:
+        return "GPU", "LOCAL"
+    if kind == "host":
+        return "CPU", "LOCAL"
+    return "STORAGE", "REMOTE" if tier.backend.remote else "LOCAL"
 
 
 def _default_record(tiers: list[Tier], shared_catalog: bool) -> str:
