@@ -9,6 +9,7 @@ cryptographic schemes and with a cache salt.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import msgspec
@@ -79,3 +80,94 @@ async def test_vllms_decoder_reads_what_a_store_publishes(tmp_path: Path) -> Non
         assert not any(isinstance(e, AllBlocksCleared) for e in events)  # the open's clear came before we joined
     finally:
         ctx.destroy(linger=0)
+
+
+class Collector:
+    """SUB sockets on several endpoints, each stream's decoded events kept, on a thread of its own."""
+
+    def __init__(self, endpoints: dict[str, str]) -> None:
+        import threading
+
+        self.ctx = zmq.Context()
+        self.events: dict[str, list[object]] = {name: [] for name in endpoints}
+        self.socks = {}
+        for name, endpoint in endpoints.items():
+            sub = self.ctx.socket(zmq.SUB)
+            sub.connect(endpoint)  # before the engine binds it: ZMQ connects when it appears
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self.socks[name] = sub
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        decode = msgspec.msgpack.Decoder(type=KVEventBatch)
+        poller = zmq.Poller()
+        for sub in self.socks.values():
+            poller.register(sub, zmq.POLLIN)
+        while not self.stop.is_set():
+            for sub, _ in poller.poll(100):
+                name = next(n for n, s in self.socks.items() if s is sub)
+                _, _, payload = sub.recv_multipart()
+                self.events[name] += decode.decode(payload).events
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.ctx.destroy(linger=0)
+
+
+def test_a_real_engines_events_and_the_connectors_name_the_same_blocks() -> None:
+    """vLLM publishes its GPU blocks, the connector what its tiers hold: a router hashing a prompt once
+    finds both, the cache salt included."""
+    import shutil
+    import tempfile
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="ev"))  # vLLM's IPC paths live below it: they must stay short
+    try:
+        _real_engine(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _real_engine(tmp_path: Path) -> None:
+    from tests.ports import free_port
+    from tests.test_adapter_vllm import req, run_engine, toks
+    from vllm_engine import make_model
+
+    model = make_model(str(tmp_path / "model"))
+    ours, theirs = free_port(), free_port()
+    plain, salted = toks(700, 11), toks(600, 12)
+    job = {
+        "model": model, "rounds": [[req(plain), req(salted, salt="tenant-b")]],
+        "connector": {"path": str(tmp_path / "data"), "kv_events": {
+            "enable_kv_cache_events": True, "endpoint": f"tcp://*:{ours}", "block_size": 128}},
+        "kv_events": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{theirs}"},
+    }  # fmt: skip
+    collect = Collector({"agentstate": f"tcp://127.0.0.1:{ours}", "vllm": f"tcp://127.0.0.1:{theirs}"})
+    try:
+        run_engine(tmp_path, "events", job)
+        time.sleep(0.5)
+    finally:
+        collect.close()
+    stored = {name: [e for e in evs if isinstance(e, BlockStored)] for name, evs in collect.events.items()}
+    engine = {h for e in stored["vllm"] for h in e.block_hashes}
+    mine = {h for e in stored["agentstate"] for h in e.block_hashes}
+    assert {e.block_size for e in stored["vllm"]} == {128} and stored["agentstate"]
+    assert mine and mine <= engine  # every block the tiers announce is one the engine names the same way
+    # the two prompts' whole chunks (256 tokens: 2 blocks each), the salted one hashed with its salt
+    algo = "sha256"
+    want = set(vllm_chain_sized(plain[:512], algo, 128)) | set(vllm_chain_sized(salted[:512], algo, 128, "tenant-b"))
+    assert mine == want
+    assert {e.medium for e in stored["agentstate"]} == {"CPU", "STORAGE"}
+
+
+def vllm_chain_sized(tokens: list[int], algo: str, block: int, salt: str | None = None) -> list[int]:
+    hash_fn = get_hash_fn_by_name(algo)
+    kv_cache_utils.init_none_hash(hash_fn)
+    parent, out = None, []
+    for i in range(0, len(tokens) - block + 1, block):
+        extra = (("cache_salt", salt),) if i == 0 and salt else None
+        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, tokens[i : i + block], extra)
+        out.append(kv_cache_utils.maybe_convert_block_hash(parent))
+    return out

@@ -178,6 +178,8 @@ def run(job: dict) -> dict:
         if cls == "AgentStateConnector":
             cfg["kv_connector_module_path"] = "agentstate.adapters.vllm"
         kwargs["kv_transfer_config"] = cfg
+    if job.get("kv_events"):  # the engine's own KV events (its GPU blocks), beside the connector's
+        kwargs["kv_events_config"] = job["kv_events"]
     if job.get("num_blocks"):  # a small KV pool: requests get preempted
         kwargs["num_gpu_blocks_override"] = job["num_blocks"]
     if job.get("probe"):

@@ -42,6 +42,8 @@ class SaveJob:
     keys: list[str]
     chunks: list[int]
     block_ids: list[int]
+    salt: str | None = None
+    """the request's cache_salt: vLLM's block hashes carry it, and so do the KV events of these chunks"""
 
 
 @dataclass

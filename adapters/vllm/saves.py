@@ -157,7 +157,10 @@ class Saves:
             finally:
                 read.set_result(None)  # the blocks are no longer read: they may be freed
             if chunks:
-                stored = await store.for_tenant(job.tenant).put_chunks(job.tokens, chunks)
+                view = store.for_tenant(job.tenant)
+                if job.salt:  # the KV events hash these chunks as vLLM does: salted (learned before they are stored)
+                    view.chunks.learn(view.chunk_keys(job.tokens)[: max(chunks) + 1], job.tokens, job.salt)
+                stored = await view.put_chunks(job.tokens, chunks)
                 self.counts.add(stored_tokens=stored)
         except Exception as exc:  # noqa: BLE001 - a lost save is a later miss
             self.counts.failed("save", exc)

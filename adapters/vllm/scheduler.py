@@ -293,7 +293,8 @@ class SchedulerSide:
             keys = self.config.keys(tokens, tracked.tenant)
             todo = list(range(tracked.saved, end))
             meta.saves.append(
-                SaveJob(req_id, tracked.tenant, tokens, [keys[j] for j in todo], todo, list(tracked.block_ids))
+                SaveJob(req_id, tracked.tenant, tokens, [keys[j] for j in todo], todo, list(tracked.block_ids),
+                        getattr(tracked.request, "cache_salt", None))  # fmt: skip
             )
             tracked.saved = end
 
