@@ -66,6 +66,11 @@ class KVEventsConfig(BaseModel):
     hash_seed: str | None = Field(default=None, description="NONE_HASH seed; None: PYTHONHASHSEED, else vLLM's default")
     int_block_hashes: bool = Field(default=True, description="as VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (vLLM's default)")
     flush_interval_s: float = Field(default=0.01, gt=0, le=10, description="events are batched for this long at most")
+    max_tracked_chunks: int = Field(
+        default=1 << 16, gt=0, le=1 << 26,
+        description="announced chunks remembered (hashes and tokens, about 1.5 KB a 256-token chunk); past it the"
+        " least recently touched is announced removed",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _publisher(self) -> KVEventsConfig:
@@ -128,11 +133,13 @@ class KVEvents:
         self.config, self.mediums, self.chunk_tokens = config, mediums, chunk_tokens
         self.hasher = BlockHasher(config.hash_algo, config.hash_seed)
         self._lock = threading.Lock()
-        self._chunks: OrderedDict[str, _Chunk] = OrderedDict()  # learned; held ones stay, others are bounded
-        self._held: dict[str, set[str]] = {}  # key -> tiers it was announced in
+        self._info: dict[str, _Chunk] = {}  # every chunk tracked below: its hashes and tokens
+        self._held: OrderedDict[str, set[str]] = OrderedDict()  # announced: key -> tiers, least recently touched first
+        self._unheld: OrderedDict[str, None] = OrderedDict()  # learned, in no tier yet (or any more)
         self._pending: list[Any] = []
         self.wake = threading.Event()
         self.dropped = 0
+        self.forgotten = 0
         self.published_events = 0
 
     def _external(self, h: bytes) -> int | bytes:
@@ -142,15 +149,35 @@ class KVEvents:
         if len(self._pending) >= self.config.max_queue_size:  # nobody is taking them: say so, start over
             self.dropped += len(self._pending)
             self._pending = [_wire().AllBlocksCleared()]
-            self._held.clear()
+            self._unannounce()
             log.warning("kv events: the queue is full; published AllBlocksCleared instead of %d events", self.dropped)
         self._pending.append(event)
         self.wake.set()
 
+    def _unannounce(self) -> None:
+        """Everything announced counts as never said (after an AllBlocksCleared): known, not held."""
+        for key in self._held:
+            self._unheld[key] = None
+        self._held.clear()
+        self._trim()
+
+    def _trim(self) -> None:
+        """Memory is bounded: chunks learned but never stored go first (oldest first); past
+        `max_tracked_chunks` announced ones, the least recently touched is forgotten, with a BlockRemoved
+        for each of its tiers: a router may hear of less than is held, never of more."""
+        while len(self._unheld) > _PENDING_KEPT:
+            del self._info[self._unheld.popitem(last=False)[0]]
+        while len(self._held) > self.config.max_tracked_chunks:
+            key, tiers = self._held.popitem(last=False)
+            for tier in tiers:
+                self._removed(key, tier)
+            del self._info[key]
+            self.forgotten += 1
+
     def cleared(self) -> None:
         """Nothing announced before holds any more (a store opened: routers drop what they heard of it)."""
         with self._lock:
-            self._held.clear()
+            self._unannounce()
             self._emit(_wire().AllBlocksCleared())
 
     def learn(
@@ -165,26 +192,27 @@ class KVEvents:
             parent: bytes | None = None
             c = self.chunk_tokens
             for i, key in enumerate(keys):
-                chunk = self._chunks.get(key)
+                chunk = self._info.get(key)
                 if chunk is None:
-                    part = array("q", tokens[i * c : (i + 1) * c])
-                    chunk = _Chunk(self.hasher.chain(parent, part, self.config.block_size, salt), part, i == 0, parent, salt)
-                    self._chunks[key] = chunk
+                    part = tokens[i * c : (i + 1) * c]
+                    packed = array("i" if max(part, default=0) < 2**31 else "q", part)  # 4 bytes a token when they fit
+                    chunk = _Chunk(self.hasher.chain(parent, packed, self.config.block_size, salt), packed, i == 0,
+                                   parent, salt)  # fmt: skip
+                    self._info[key] = chunk
+                    self._unheld[key] = None
+                elif key in self._held:
+                    self._held.move_to_end(key)
                 else:
-                    self._chunks.move_to_end(key)
+                    self._unheld.move_to_end(key)
                 parent = chunk.hashes[-1]
                 for tier in tiers_of(key):
                     self._stored(key, chunk, tier)
-            while len(self._chunks) > _PENDING_KEPT + len(self._held):  # learned, never held: the oldest go
-                key = next(iter(self._chunks))
-                if key in self._held:
-                    self._chunks.move_to_end(key)
-                    continue
-                del self._chunks[key]
+            self._trim()
 
     def _stored(self, key: str, chunk: _Chunk, tier: str) -> None:
         if tier not in self.mediums or tier in self._held.get(key, ()):
             return
+        self._unheld.pop(key, None)
         self._held.setdefault(key, set()).add(tier)
         medium, locality = self.mediums[tier]
         extra = [(chunk.salt,) if chunk.first and chunk.salt and j == 0 else None for j in range(len(chunk.hashes))]
@@ -195,13 +223,21 @@ class KVEvents:
             lora_name=None, extra_keys=extra if any(extra) else None, group_idx=0, locality=locality, ownership=tier,
         ))  # fmt: skip
 
+    def _removed(self, key: str, tier: str) -> None:
+        medium, locality = self.mediums[tier]
+        self._emit(_wire().BlockRemoved(
+            block_hashes=[self._external(h) for h in self._info[key].hashes], medium=medium, group_idx=0,
+            locality=locality, ownership=tier,
+        ))  # fmt: skip
+
     def added(self, keys: Iterable[str], tier: str) -> None:
         """The index heard `keys` are in `tier` (stored, promoted, found)."""
         with self._lock:
             for key in keys:
-                chunk = self._chunks.get(key)
+                chunk = self._info.get(key)
                 if chunk is not None:
                     self._stored(key, chunk, tier)
+            self._trim()
 
     def discarded(self, keys: Iterable[str], tier: str) -> None:
         """`keys` left `tier` (evicted, deleted)."""
@@ -211,14 +247,11 @@ class KVEvents:
                 if tiers is None or tier not in tiers:
                     continue
                 tiers.discard(tier)
-                medium, locality = self.mediums[tier]
-                chunk = self._chunks[key]
-                self._emit(_wire().BlockRemoved(
-                    block_hashes=[self._external(h) for h in chunk.hashes], medium=medium, group_idx=0,
-                    locality=locality, ownership=tier,
-                ))  # fmt: skip
+                self._removed(key, tier)
                 if not tiers:
                     del self._held[key]
+                    self._unheld[key] = None  # its tokens stay known a while: stored again, it is announced
+            self._trim()
 
     def take(self) -> list[Any]:
         """The events since the last take (the publisher's batch)."""
@@ -229,9 +262,9 @@ class KVEvents:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"chunks_known": len(self._chunks), "chunks_announced": len(self._held),
+            return {"chunks_known": len(self._info), "chunks_announced": len(self._held),
                     "events_pending": len(self._pending), "events_published": self.published_events,
-                    "events_dropped": self.dropped}  # fmt: skip
+                    "events_dropped": self.dropped, "chunks_forgotten": self.forgotten}  # fmt: skip
 
 
 class ZmqPublisher:

@@ -243,3 +243,18 @@ async def test_a_port_taken_is_a_typed_error_and_the_directory_is_left_as_it_was
             await s.snapshot("a", random_tokens(CHUNK), random_kv(SPEC4, CHUNK))
     finally:
         ctx.destroy(linger=0)
+
+
+def test_memory_is_bounded_and_a_forgotten_chunk_is_announced_removed() -> None:
+    ev = KVEvents(KVEventsConfig(**{**EVENTS, "max_tracked_chunks": 2}), {"host": ("CPU", "LOCAL")}, CHUNK)
+    view: set[int] = set()
+    for i in range(5):
+        ev.learn([f"c/{i}"], random_tokens(CHUNK, seed=i), lambda k: ["host"])
+        for e in ev.take():
+            (view.update if type(e).__name__ == "BlockStored" else view.difference_update)(e.block_hashes)
+    assert ev.stats()["chunks_announced"] == 2 and ev.forgotten == 3
+    assert view == set(vllm_hashes(random_tokens(CHUNK, seed=3))) | set(vllm_hashes(random_tokens(CHUNK, seed=4)))
+    ev.learn(["c/3"], random_tokens(CHUNK, seed=3), lambda k: ["host"])  # touched: now the most recent
+    ev.learn(["c/5"], random_tokens(CHUNK, seed=5), lambda k: ["host"])
+    removed = [set(e.block_hashes) for e in ev.take() if type(e).__name__ == "BlockRemoved"]
+    assert removed == [set(vllm_hashes(random_tokens(CHUNK, seed=4)))]  # the least recently touched went
