@@ -17,8 +17,9 @@ once its tokens are known here: when it is stored or read by a snapshot, a resum
 session is touched. A router therefore never hears of a block that is not held, and may hear of less
 than is (a miss it routes around, never a wrong hit: the engine still checks every key).
 
-Each tier is one medium: the host tier `CPU`, the others `STORAGE` (locality LOCAL for a local disk,
-REMOTE for a shared store), the tier's name in `ownership` (vLLM's field for the offloading tier).
+Each tier is one medium: the host tier `CPU`, a local disk tier `STORAGE`, a shared store `REMOTE`
+(`kv_events.mediums` renames any), with `locality` LOCAL or REMOTE and the tier's name in
+`ownership` (vLLM's field for the offloading tier).
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class KVEventsConfig(BaseModel):
     hash_seed: str | None = Field(default=None, description="NONE_HASH seed; None: PYTHONHASHSEED, else vLLM's default")
     int_block_hashes: bool = Field(default=True, description="as VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (vLLM's default)")
     flush_interval_s: float = Field(default=0.01, gt=0, le=10, description="events are batched for this long at most")
+    mediums: dict[str, str] = Field(
+        default_factory=dict,
+        description="tier name -> the medium its events carry; default: GPU, CPU (host), STORAGE (local disk), REMOTE",
+    )
     max_tracked_chunks: int = Field(
         default=1 << 16, gt=0, le=1 << 26,
         description="announced chunks remembered (hashes and tokens, about 1.5 KB a 256-token chunk); past it the"

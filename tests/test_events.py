@@ -258,3 +258,20 @@ def test_memory_is_bounded_and_a_forgotten_chunk_is_announced_removed() -> None:
     ev.learn(["c/5"], random_tokens(CHUNK, seed=5), lambda k: ["host"])
     removed = [set(e.block_hashes) for e in ev.take() if type(e).__name__ == "BlockRemoved"]
     assert removed == [set(vllm_hashes(random_tokens(CHUNK, seed=4)))]  # the least recently touched went
+
+
+async def test_one_medium_per_tier_and_the_operator_may_rename_them(tmp_path: Path, redis_server) -> None:  # type: ignore[no-untyped-def]
+    from agentstate.config import TierConfig
+
+    tiers = [TierConfig(kind="host", capacity_bytes=1 << 20), TierConfig(kind="lmdb"),
+             TierConfig(kind="redis", url=redis_server.url, prefix="events-media:")]  # fmt: skip
+    cfg = StoreConfig(path=tmp_path / "a", chunk_tokens=CHUNK, tiers=tiers, kv_events=EVENTS)
+    async with StateStore.open(cfg, SPEC4) as s:
+        assert s.chunks.events.mediums == {  # type: ignore[union-attr]
+            "host": ("CPU", "LOCAL"), "lmdb": ("STORAGE", "LOCAL"), "redis": ("REMOTE", "REMOTE")}
+    quiet = cfg.model_copy(update={"kv_events": KVEventsConfig(**{**EVENTS, "publisher": "null"})})
+    async with StateStore.open(quiet, SPEC4) as s:  # vLLM's "null" publisher: nothing tracked, nothing sent
+        assert s.chunks.events is None and s.chunks.publisher_endpoints is None
+    named = {**EVENTS, "mediums": {"lmdb": "NVME"}}
+    async with StateStore.open(cfg.model_copy(update={"kv_events": KVEventsConfig(**named)}), SPEC4) as s:
+        assert s.chunks.events.mediums["lmdb"] == ("NVME", "LOCAL")  # type: ignore[union-attr]

@@ -196,8 +196,8 @@ class ChunkStore:
         """what the tiers hold, published for routers (`kv_events`); None when off"""
         self._publisher: ZmqPublisher | None = None
         ev = config.kv_events
-        if ev is not None and ev.enable_kv_cache_events and not read_only:
-            mediums = {t.name: _medium(t, self._kinds.get(t.name, "")) for t in self._manager.tiers}
+        if ev is not None and ev.enable_kv_cache_events and ev.publisher == "zmq" and not read_only:
+            mediums = _mediums(self._manager.tiers, self._kinds, ev.mediums)
             self.events = KVEvents(ev, mediums, config.chunk_tokens)
             self._index.listener = self.events
 
@@ -212,8 +212,7 @@ class ChunkStore:
         self._loop = asyncio.get_running_loop()
         if self.events is not None:
             self.events.cleared()  # what an earlier run announced is unknown now: routers start over
-            if self.events.config.publisher == "zmq":
-                self._publisher = ZmqPublisher(self.events)
+            self._publisher = ZmqPublisher(self.events)
         await self.adopt(prefixes)
         if self.config.host_prefault_bytes and not self._read_only:
             size = codec.encoded_size(self.config.chunk_tokens * self.spec.token_bytes)
@@ -759,13 +758,25 @@ class _CountedPrefetch(PrefetchHandle):
         return done
 
 
-def _medium(tier: Tier, kind: str) -> tuple[str, str]:
-    """A tier as KV events name it: (medium, locality), vLLM's vocabulary."""
-    if tier.is_device:
-        return "GPU", "LOCAL"
-    if kind == "host":
-        return "CPU", "LOCAL"
-    return "STORAGE", "REMOTE" if tier.backend.remote else "LOCAL"
+def _mediums(tiers: Sequence[Tier], kinds: dict[str, str], chosen: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """Each tier as KV events name it: (medium, locality), one medium per tier. vLLM's vocabulary first
+    (GPU, CPU, STORAGE for the first local disk tier, REMOTE for the first shared one); a second tier
+    of a kind gets `<medium>:<tier name>`; `chosen` (kv_events.mediums) names any tier as the operator wants."""
+    out: dict[str, tuple[str, str]] = {}
+    for tier in tiers:
+        locality = "REMOTE" if tier.backend.remote else "LOCAL"
+        if tier.name in chosen:
+            medium = chosen[tier.name]
+        elif tier.is_device:
+            medium = "GPU"
+        elif kinds.get(tier.name) == "host":
+            medium = "CPU"
+        else:
+            medium = "REMOTE" if tier.backend.remote else "STORAGE"
+        if any(m == medium for m, _ in out.values()):
+            medium = f"{medium}:{tier.name}"
+        out[tier.name] = (medium, locality)
+    return out
 
 
 def _default_record(tiers: list[Tier], shared_catalog: bool) -> str:
