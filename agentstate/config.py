@@ -345,6 +345,16 @@ class StoreConfig(BaseSettings):
         description="largest record a framework may keep beside a session (a checkpoint, a conversation item;"
         " agentstate.records): bounds what one write can ask of the catalog",
     )  # fmt: skip
+    key_scheme: Literal["agentstate", "sglang"] = Field(
+        default="agentstate",
+        description="how shared prefixes are keyed: agentstate's chunk chain, or SGLang's page hash chain (chunk_tokens"
+        " is then SGLang's page size, and a prefix is shared with SGLang servers using agentstate as L3 on this data)",
+    )  # fmt: skip
+    sglang_shard: str = Field(
+        default="pp0-1.cp0-1", pattern=r"^[A-Za-z0-9_.-]{1,128}$",
+        description="key_scheme sglang: the SGLang ranks' shard (pipeline and context parallel ranks, as its rank"
+        " directory names it; a pool with a storage format tag appends it)",
+    )  # fmt: skip
     kv_events: KVEventsConfig | None = Field(
         default=None,
         description="publish what the tiers hold as vLLM KV events over ZMQ (agentstate.events), for routers;"

@@ -134,6 +134,10 @@ class StateStore:
         """The keys of the full chunks of `tokens` in this tenant's namespace."""
         return self._scope.chunk_keys(token_array(tokens))
 
+    def prefix_keys(self, tokens: Sequence[int] | torch.Tensor) -> list[ChunkKey]:
+        """The keys of a shared prefix's full chunks (`put_prefix`, `match`, `load`; see `key_scheme`)."""
+        return self._scope.prefix_keys(token_array(tokens))
+
     def session_lock(self, session_id: str) -> contextlib.AbstractAsyncContextManager[None]:
         """The one writer's place of this tenant's session in this process (see StoreScope)."""
         return self._scope.session_lock(session_id)
@@ -229,7 +233,7 @@ class StateStore:
         """
         packed = token_array(tokens)
         self.spec.check_kv(kv, len(packed))
-        keys = self._scope.chunk_keys(packed)
+        keys = self._scope.prefix_keys(packed)
         stored = await self._store_prefix(keys, self._scope.slices(kv, len(keys)), keys)
         self.chunks.learn(keys, packed)
         return stored
@@ -247,7 +251,7 @@ class StateStore:
         Returns how many tokens were newly stored.
         """
         packed = token_array(tokens)
-        keys = self._scope.chunk_keys(packed)
+        keys = self._scope.prefix_keys(packed)
         if not chunks:
             return 0
         if min(chunks) < 0 or max(chunks) >= len(keys):
@@ -290,7 +294,7 @@ class StateStore:
     async def match(self, tokens: Sequence[int] | torch.Tensor) -> MatchResult:
         """How many leading tokens are cached (whole chunks), and which tier serves each chunk."""
         packed = token_array(tokens)
-        keys = self._scope.chunk_keys(packed)
+        keys = self._scope.prefix_keys(packed)
         n = await self.chunks.lookup(keys)
         self.chunks.learn(keys[:n], packed)
         tiers = [self.chunks.fastest(k) or "" for k in keys[:n]]
@@ -302,7 +306,7 @@ class StateStore:
         Returns once the prefix is known (one batched `exists` per remote tier for chunks the index
         lacks); the reads go on in the background.
         """
-        keys = self._scope.chunk_keys(token_array(tokens))
+        keys = self._scope.prefix_keys(token_array(tokens))
         return self.chunks.prefetch(keys[: await self.chunks.lookup(keys)], self.chunk_tokens)
 
     async def load(
@@ -322,7 +326,7 @@ class StateStore:
         """
         target = self._scope.target(into)
         packed = token_array(tokens)
-        keys = self._scope.chunk_keys(packed)
+        keys = self._scope.prefix_keys(packed)
         n = min(await self.chunks.lookup(keys), target.num_tokens // self.chunk_tokens)
         policy = policy or self.config.prefetch_policy
         deadline = deadline_for(
@@ -359,7 +363,7 @@ class StateStore:
         """
         validate_id(name, "hint name")
         parsed = Hint.parse(hint, expected_s)
-        keys = self._scope.chunk_keys(token_array(tokens))
+        keys = self._scope.prefix_keys(token_array(tokens))
         keys = keys[: await self.chunks.lookup(keys)]
         self.usage_log.add(self.tenant, None, {"hints": 1})
         return await self._sessions.apply_hint(

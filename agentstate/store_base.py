@@ -22,7 +22,9 @@ from agentstate.config import StoreConfig
 from agentstate.datadir import CATALOG
 from agentstate.errors import AgentStateError, CapacityError, KVShapeError
 from agentstate.keyed_locks import KeyedLocks
-from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, ChunkKey, chunk_keys, namespace_for, validate_id
+from agentstate.keys import (
+    CHUNK_PREFIX, TAIL_PREFIX, ChunkKey, chunk_keys, namespace_for, sglang_page_keys, validate_id,
+)  # fmt: skip
 from agentstate.reserve import StandingReserve, local_dirs
 from agentstate.spec import ModelSpec
 from agentstate.target import KVTarget, TensorTarget
@@ -125,6 +127,16 @@ class StoreScope:
         return list(
             chunk_keys(tokens, namespace=self.namespace, fingerprint=self.fingerprint, chunk_tokens=self.chunk_tokens)
         )
+
+    def prefix_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
+        """The keys of the full chunks of a shared prefix: the chunk chain, or under `key_scheme="sglang"`
+        the keys of SGLang's pages (a chunk is a page), where the store's own tenant is SGLang's
+        requests without a cache salt and any other tenant those with its id as their salt."""
+        if self.config.key_scheme == "agentstate":
+            return self.chunk_keys(tokens)
+        salt = None if self.config.shared_namespace or self.tenant == self.config.tenant else self.tenant
+        return sglang_page_keys(tokens, fingerprint=self.fingerprint, page_size=self.chunk_tokens,
+                                shard=self.config.sglang_shard, salt=salt)  # fmt: skip
 
     def slices(self, kv: torch.Tensor, count: int) -> list[torch.Tensor]:
         """The first `count` full chunks of canonical `kv`, as views."""

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from agentstate.errors import InvalidArgumentError, InvalidSessionIdError
 from agentstate.keys import chunk_keys, namespace_for, tail_key, token_array, validate_id
@@ -69,3 +70,46 @@ def test_bad_tokens_and_namespaces() -> None:
     assert namespace_for("t", shared=True) == "global"
     assert tail_key(FP, "t", "s", 3, "w1") == f"t/{FP}/t/s/3.w1"
     assert tail_key(FP, "t", "s", 3) != tail_key(FP, "t", "s", 3)  # one per write attempt
+
+
+def test_sglang_page_keys_follow_sglangs_definition_and_tenants_stay_apart() -> None:
+    """SGLang's page chain written out here from its definition: SHA-256 over the previous digest (the
+    namespace seed for the first page when the request has a salt) and each token as 4 bytes LE."""
+    import hashlib
+    import struct
+
+    from agentstate.keys import sglang_page_keys, sglang_seed
+
+    tokens = list(range(1000, 1040))
+    seed = hashlib.sha256(b"sglang-cache-namespace-v1" + b"\x00" + b"\x01" + (3).to_bytes(8, "little") + b"abc")
+    for salt, prev in ((None, b""), ("abc", seed.digest())):
+        want = []
+        for i in range(0, 32, 16):
+            prev = hashlib.sha256(prev + struct.pack("<16I", *tokens[i : i + 16])).digest()
+            want.append(f"p/fp/16/pp0-1.cp0-1/{prev.hex()}")
+        assert sglang_page_keys(tokens, fingerprint="fp", page_size=16, shard="pp0-1.cp0-1", salt=salt) == want
+    assert sglang_seed(None, None) is None and sglang_seed(None, "abc") == seed.digest()
+    with pytest.raises(InvalidArgumentError):
+        sglang_page_keys([2**32], fingerprint="fp", page_size=1, shard="s")
+
+
+async def test_the_sglang_scheme_keys_prefixes_by_page_and_salts_other_tenants(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from agentstate import StateStore, StoreConfig
+    from agentstate.keys import sglang_page_keys
+    from tests.conftest import SPEC4, random_kv, random_tokens
+
+    cfg = StoreConfig(path=tmp_path / "s", chunk_tokens=16, key_scheme="sglang", sglang_shard="pp0-1.cp0-1.t")
+    tokens = random_tokens(50)
+    async with StateStore.open(cfg, SPEC4) as store:
+        mine = sglang_page_keys(tokens, fingerprint=SPEC4.fingerprint, page_size=16, shard="pp0-1.cp0-1.t")
+        assert store.prefix_keys(tokens) == mine  # the store's own tenant: SGLang's requests without a salt
+        other = store.for_tenant("b")
+        assert other.prefix_keys(tokens) == sglang_page_keys(
+            tokens, fingerprint=SPEC4.fingerprint, page_size=16, shard="pp0-1.cp0-1.t", salt="b")
+        assert await store.put_prefix(tokens, random_kv(SPEC4, 50)) == 48
+        assert (await store.match(tokens)).tokens == 48 and (await other.match(tokens)).tokens == 0
+        out = SPEC4.empty_kv(48)
+        assert await store.load(tokens, out) == 48
+        assert out.view(torch.uint8).equal(random_kv(SPEC4, 50)[:, :, :48].contiguous().view(torch.uint8))
+    with pytest.raises(Exception):
+        StoreConfig(path=tmp_path / "x", key_scheme="sglang", sglang_shard="../evil")

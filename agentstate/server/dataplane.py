@@ -25,7 +25,7 @@ from fastapi import Depends, FastAPI, Request, Response
 
 from agentstate import codec
 from agentstate.errors import CorruptDataError, InvalidArgumentError
-from agentstate.keys import CHUNK_PREFIX, ChunkKey, chunk_keys, token_array
+from agentstate.keys import CHUNK_PREFIX, SGLANG_PAGE_PREFIX, ChunkKey, token_array
 from agentstate.server.gate import ServiceContext, admit, frame_response, off_loop, read_body
 from agentstate.store import StateStore
 from agentstate.wire import (
@@ -69,7 +69,10 @@ class Handles:
     def key(self, store: StateStore, handle: str) -> ChunkKey:
         """The key `handle` names for this tenant; ChunkNotFoundError if it names none."""
         m = _HANDLE.fullmatch(handle)
-        key = ChunkKey(f"{CHUNK_PREFIX}{store.fingerprint}/{m.group(1)}") if m else None
+        cfg = store.config
+        base = (f"{SGLANG_PAGE_PREFIX}{store.fingerprint}/{store.chunk_tokens}/{cfg.sglang_shard}/"
+                if cfg.key_scheme == "sglang" else f"{CHUNK_PREFIX}{store.fingerprint}/")  # as prefix_keys names them
+        key = ChunkKey(f"{base}{m.group(1)}") if m else None
         if m is None or key is None or not hmac.compare_digest(m.group(2), self._mac(store.tenant, key)):
             raise ChunkNotFoundError(f"no chunk {handle[:100]!r}")
         return key
@@ -93,9 +96,7 @@ def register(app: FastAPI, ctx: ServiceContext, handles: Handles) -> None:
         """How much of `tokens` is cached for this tenant, and a handle for every full chunk."""
         packed = token_array(req.tokens)
         found = await store.match(packed)
-        keys = chunk_keys(
-            packed, namespace=store.namespace, fingerprint=store.fingerprint, chunk_tokens=store.chunk_tokens
-        )
+        keys = store.prefix_keys(packed)
         return ChunkMatch(
             tokens=found.tokens,
             chunks=found.chunks,
