@@ -323,3 +323,103 @@ def test_admin_commands_see_the_pages_the_servers_wrote(runs: dict[str, Any], tm
     again = cli("verify", "-p", str(rank), "--json")
     assert again.returncode == 0, again.stdout[-2000:]
     assert next(t for t in json.loads(again.stdout)["tiers"] if t["tier"] == "lmdb")["pages"] == pages - 1
+
+
+# -- one set of keys: SGLang's pages and transformers' prefixes (key_scheme="sglang") ----------------
+
+CROSS_TOL = {"rel_tol": 1e-4, "abs_tol": 1e-3}
+"""Two engines' float32 KV of one model differ in their last bits (other kernels: torch_native attention
+against transformers' own); a continuation over the other's KV is compared to each engine's cold run
+within this."""
+
+
+def test_sglang_page_keys_are_sglangs_own(extensions: Path) -> None:
+    """`agentstate.keys.sglang_page_keys` against SGLang's `get_storage_hash_str` (its native extension)."""
+    code = (
+        "import json, sys\n"
+        "from sglang.srt.mem_cache.utils import get_storage_hash_str\n"
+        "class Key(list):\n    extra_key = None\n    cache_salt = None\n"
+        "tokens = json.loads(sys.argv[1]); out = []\n"
+        "for salt in (None, 'tenant-a'):\n"
+        "    k = Key(tokens); k.cache_salt = salt\n"
+        "    out.append(get_storage_hash_str(k, None, page_size=16))\n"
+        "print(json.dumps(out))\n"
+    )
+    from tests.sglang_server import _env
+    from agentstate.keys import sglang_page_keys
+
+    tokens = [random.Random(7).randrange(0, 150_000) for _ in range(100)]
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(tokens)], env=_env(extensions / "tmp", extensions),
+                          capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    for salt, hashes in zip((None, "tenant-a"), theirs):
+        ours = [k.rsplit("/", 1)[1] for k in sglang_page_keys(tokens, fingerprint="f", page_size=16, shard="s", salt=salt)]
+        # SGLang's function also hashes a short last page; its storage only ever asks for whole ones
+        assert len(ours) == 6 and ours == hashes[:6]
+
+
+def test_prefixes_cross_between_a_real_sglang_server_and_transformers(tmp: Path, model: str, extensions: Path) -> None:
+    """transformers stores a prefix, a real SGLang server (agentstate as L3) takes it from storage; the
+    server stores a prompt, transformers loads it: one data directory, SGLang's page keys on both sides."""
+    import asyncio
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentstate import StateStore, StoreConfig
+    from agentstate.adapters import transformers as hf
+
+    page, name = 16, "interop-tiny"
+    data = tmp / "interop"
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    spec = hf.spec_for(lm, model_id=name)
+    a, b = prompt(page, 501), prompt(page, 502)
+
+    def store() -> StateStore:  # SGLang's rank directory, keyed as SGLang keys its pages
+        cfg = StoreConfig(path=data / "tp0-1.pp0-1.cp0-1", chunk_tokens=page, key_scheme="sglang",
+                          host_capacity_bytes=16 << 20, lmdb_map_size=64 << 20)  # fmt: skip
+        return StateStore.open(cfg, spec)  # type: ignore[return-value]
+
+    async def put_a() -> int:
+        with torch.no_grad():
+            cache = lm(torch.tensor([a[: full(page)]]), use_cache=True).past_key_values
+        async with store() as s:
+            return await hf.put_prefix(s, a[: full(page)], cache)
+
+    assert asyncio.run(put_a()) == full(page)
+
+    base = SGLangServer(model, tmp / "interop-cold", extensions_dir=extensions, page_size=page, storage=None).start()
+    try:
+        cold_a, cold_b = base.generate(a, MAX_NEW), base.generate(b, MAX_NEW)
+    finally:
+        base.stop()
+    server = SGLangServer(model, tmp / "interop-l3", data_dir=data, extensions_dir=extensions, page_size=page,
+                          extra={**EXTRA, "model_id": name}).start()  # fmt: skip
+    try:
+        got_a = server.generate(a, MAX_NEW)
+        details = cached(got_a)
+        assert details.get("storage") == full(page) and details.get("device", 0) == 0, details  # transformers' pages
+        assert got_a["output_ids"] == cold_a["output_ids"]
+        assert all(math.isclose(p, q, **CROSS_TOL) for p, q in zip(logprobs(got_a), logprobs(cold_a)))
+        before = server.metrics().get("backuped_tokens_total", 0.0)
+        got_b = server.generate(b, MAX_NEW)
+        assert same_output(got_b, cold_b) and not cached(got_b).get("storage")
+        server.wait_backed_up(int(before) + full(page))
+    finally:
+        server.stop()
+
+    async def load_b() -> tuple[int, list[int], torch.Tensor]:
+        async with store() as s:
+            assert (await s.match(b)).tokens == full(page)  # every page SGLang wrote, found by tokens
+            prefix = await hf.load_prefix(s, b, lm)
+        with torch.no_grad():
+            out = lm.generate(torch.tensor([b]), past_key_values=prefix.cache, max_new_tokens=4, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        return prefix.tokens, out.sequences[0, len(b) :].tolist(), out.logits[0][0]
+
+    n, tokens, logits = asyncio.run(load_b())
+    with torch.no_grad():
+        cold = lm.generate(torch.tensor([b]), max_new_tokens=4, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True)  # fmt: skip
+    assert n == full(page) and tokens == cold.sequences[0, len(b) :].tolist()
+    assert torch.allclose(logits, cold.logits[0][0], rtol=1e-4, atol=1e-3)
