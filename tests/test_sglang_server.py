@@ -14,7 +14,10 @@ by side (two cores), one per page size (16 and 1), each on one agentstate data d
 - page 1: the same damage against SGLang's own `file` L3 (HiCacheFile), recorded: it serves the zeroed
   pages as storage hits;
 - then two servers at once with their own directories over one Redis tier and catalog: the second gets
-  storage hits for the pages the first wrote.
+  storage hits for the pages the first wrote;
+- and one set of keys with transformers (`key_scheme="sglang"`): a prefix transformers stored is taken from
+  storage by a server, a prompt a server stored is loaded by transformers from its tokens alone, over one data
+  directory and over one Redis tier with both running.
 
 Greedy tokens after a storage hit equal the cold run's; their logprobs are compared within LOGPROB_TOL,
 not bit for bit. A storage hit prefills only the prompt's last tokens over the pages read back, the cold run
@@ -358,68 +361,132 @@ def test_sglang_page_keys_are_sglangs_own(extensions: Path) -> None:
         assert len(ours) == 6 and ours == hashes[:6]
 
 
-def test_prefixes_cross_between_a_real_sglang_server_and_transformers(tmp: Path, model: str, extensions: Path) -> None:
-    """transformers stores a prefix, a real SGLang server (agentstate as L3) takes it from storage; the
-    server stores a prompt, transformers loads it: one data directory, SGLang's page keys on both sides."""
+@pytest.fixture(scope="module")
+def sglang_cold(tmp: Path, model: str, extensions: Path) -> dict[int, dict[str, Any]]:
+    """SGLang's cold runs (no L3) of the interop prompts, by prompt number."""
+    base = SGLangServer(model, tmp / "interop-cold", extensions_dir=extensions, page_size=16, storage=None).start()
+    try:
+        return {i: base.generate(prompt(16, i), MAX_NEW) for i in (501, 502, 503, 504)}
+    finally:
+        base.stop()
+
+
+def transformers_continues(lm: Any, open_store: Any, tokens: list[int]) -> None:
+    """`tokens`' stored prefix loaded by transformers by tokens alone (every whole page), and its
+    continuation equal to transformers' own cold run: greedy tokens, first logits within CROSS_TOL."""
     import asyncio
 
+    import torch
+
+    from agentstate.adapters import transformers as hf
+
+    async def load() -> tuple[int, Any]:
+        async with open_store() as store:
+            assert (await store.match(tokens)).tokens == full(16)  # every page SGLang wrote
+            prefix = await hf.load_prefix(store, tokens, lm)
+        return prefix.tokens, prefix.cache
+
+    n, cache = asyncio.run(load())
+    with torch.no_grad():
+        warm = lm.generate(torch.tensor([tokens]), past_key_values=cache, max_new_tokens=4, do_sample=False,
+                           output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        cold = lm.generate(torch.tensor([tokens]), max_new_tokens=4, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True)  # fmt: skip
+    assert n == full(16) and warm.sequences.tolist() == cold.sequences.tolist()
+    assert torch.allclose(warm.logits[0], cold.logits[0], rtol=CROSS_TOL["rel_tol"], atol=CROSS_TOL["abs_tol"])
+
+
+def transformers_stores(lm: Any, open_store: Any, tokens: list[int]) -> None:
+    """transformers computes `tokens`' KV and stores its whole pages as a shared prefix."""
+    import asyncio
+
+    import torch
+
+    from agentstate.adapters import transformers as hf
+
+    async def put() -> int:
+        with torch.no_grad():
+            cache = lm(torch.tensor([tokens[: full(16)]]), use_cache=True).past_key_values
+        async with open_store() as store:
+            return await hf.put_prefix(store, tokens[: full(16)], cache)
+
+    assert asyncio.run(put()) == full(16)
+
+
+def sglang_reads_transformers_pages(server: SGLangServer, tokens: list[int], cold: dict[str, Any]) -> None:
+    got = server.generate(tokens, MAX_NEW)
+    details = cached(got)
+    assert details.get("storage") == full(16) and details.get("device", 0) == 0, details  # every page from storage
+    assert got["output_ids"] == cold["output_ids"]
+    assert all(math.isclose(p, q, **CROSS_TOL) for p, q in zip(logprobs(got), logprobs(cold)))
+
+
+def sglang_stores(server: SGLangServer, tokens: list[int], cold: dict[str, Any]) -> None:
+    before = server.metrics().get("backuped_tokens_total", 0.0)
+    got = server.generate(tokens, MAX_NEW)
+    assert same_output(got, cold) and not cached(got).get("storage")
+    server.wait_backed_up(int(before) + full(16))
+
+
+def test_prefixes_cross_between_a_real_sglang_server_and_transformers(
+    tmp: Path, model: str, extensions: Path, sglang_cold: dict[int, dict[str, Any]]
+) -> None:
+    """transformers stores a prefix, a real SGLang server (agentstate as L3) takes it from storage; the
+    server stores a prompt, transformers loads it: one data directory, SGLang's page keys on both sides."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from agentstate import StateStore, StoreConfig
     from agentstate.adapters import transformers as hf
 
-    page, name = 16, "interop-tiny"
-    data = tmp / "interop"
+    name, data = "interop-tiny", tmp / "interop"
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     spec = hf.spec_for(lm, model_id=name)
-    a, b = prompt(page, 501), prompt(page, 502)
+    a, b = prompt(16, 501), prompt(16, 502)
 
-    def store() -> StateStore:  # SGLang's rank directory, keyed as SGLang keys its pages
-        cfg = StoreConfig(path=data / "tp0-1.pp0-1.cp0-1", chunk_tokens=page, key_scheme="sglang",
-                          host_capacity_bytes=16 << 20, lmdb_map_size=64 << 20)  # fmt: skip
+    def open_store() -> StateStore:  # SGLang's rank directory, keyed as SGLang keys its pages
+        cfg = StoreConfig(path=data / "tp0-1.pp0-1.cp0-1", chunk_tokens=16, key_scheme="sglang", **EXTRA)
         return StateStore.open(cfg, spec)  # type: ignore[return-value]
 
-    async def put_a() -> int:
-        with torch.no_grad():
-            cache = lm(torch.tensor([a[: full(page)]]), use_cache=True).past_key_values
-        async with store() as s:
-            return await hf.put_prefix(s, a[: full(page)], cache)
-
-    assert asyncio.run(put_a()) == full(page)
-
-    base = SGLangServer(model, tmp / "interop-cold", extensions_dir=extensions, page_size=page, storage=None).start()
-    try:
-        cold_a, cold_b = base.generate(a, MAX_NEW), base.generate(b, MAX_NEW)
-    finally:
-        base.stop()
-    server = SGLangServer(model, tmp / "interop-l3", data_dir=data, extensions_dir=extensions, page_size=page,
+    transformers_stores(lm, open_store, a)
+    server = SGLangServer(model, tmp / "interop-l3", data_dir=data, extensions_dir=extensions, page_size=16,
                           extra={**EXTRA, "model_id": name}).start()  # fmt: skip
     try:
-        got_a = server.generate(a, MAX_NEW)
-        details = cached(got_a)
-        assert details.get("storage") == full(page) and details.get("device", 0) == 0, details  # transformers' pages
-        assert got_a["output_ids"] == cold_a["output_ids"]
-        assert all(math.isclose(p, q, **CROSS_TOL) for p, q in zip(logprobs(got_a), logprobs(cold_a)))
-        before = server.metrics().get("backuped_tokens_total", 0.0)
-        got_b = server.generate(b, MAX_NEW)
-        assert same_output(got_b, cold_b) and not cached(got_b).get("storage")
-        server.wait_backed_up(int(before) + full(page))
+        sglang_reads_transformers_pages(server, a, sglang_cold[501])
+        sglang_stores(server, b, sglang_cold[502])
+    finally:
+        server.stop()  # one process writes a data directory at a time
+    transformers_continues(lm, open_store, b)
+
+
+def test_prefixes_cross_over_one_redis_tier_while_both_run(
+    tmp: Path, model: str, extensions: Path, sglang_cold: dict[int, dict[str, Any]], redis_server: Any
+) -> None:
+    """Each side on a directory of its own, one Redis tier and catalog between them, both running."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentstate import StateStore, StoreConfig
+    from agentstate.adapters import transformers as hf
+
+    name, ns = "interop-tiny", f"x-{uuid.uuid4().hex[:8]}"
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    spec = hf.spec_for(lm, model_id=name)
+    c, d = prompt(16, 503), prompt(16, 504)
+    shared = {"tiers": [{"kind": "host"}, {"kind": "redis", "url": redis_server.url, "prefix": f"{ns}:t:"}],
+              "catalog_url": redis_server.url, "catalog_prefix": f"{ns}:c:"}  # fmt: skip
+
+    def open_store() -> StateStore:
+        cfg = StoreConfig(path=tmp / "interop-redis-hf", chunk_tokens=16, key_scheme="sglang",
+                          **{**EXTRA, **shared})  # fmt: skip
+        return StateStore.open(cfg, spec)  # type: ignore[return-value]
+
+    server = SGLangServer(model, tmp / "interop-redis-l3", data_dir=tmp / "interop-redis-sgl", extensions_dir=extensions,
+                          page_size=16, extra={**EXTRA, **shared, "model_id": name}).start()  # fmt: skip
+    try:
+        transformers_stores(lm, open_store, c)  # while the server runs
+        sglang_reads_transformers_pages(server, c, sglang_cold[503])
+        sglang_stores(server, d, sglang_cold[504])
+        transformers_continues(lm, open_store, d)
     finally:
         server.stop()
-
-    async def load_b() -> tuple[int, list[int], torch.Tensor]:
-        async with store() as s:
-            assert (await s.match(b)).tokens == full(page)  # every page SGLang wrote, found by tokens
-            prefix = await hf.load_prefix(s, b, lm)
-        with torch.no_grad():
-            out = lm.generate(torch.tensor([b]), past_key_values=prefix.cache, max_new_tokens=4, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True)  # fmt: skip
-        return prefix.tokens, out.sequences[0, len(b) :].tolist(), out.logits[0][0]
-
-    n, tokens, logits = asyncio.run(load_b())
-    with torch.no_grad():
-        cold = lm.generate(torch.tensor([b]), max_new_tokens=4, do_sample=False, output_logits=True,
-                           return_dict_in_generate=True)  # fmt: skip
-    assert n == full(page) and tokens == cold.sequences[0, len(b) :].tolist()
-    assert torch.allclose(logits, cold.logits[0][0], rtol=1e-4, atol=1e-3)
