@@ -171,3 +171,37 @@ def vllm_chain_sized(tokens: list[int], algo: str, block: int, salt: str | None 
         parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, tokens[i : i + block], extra)
         out.append(kv_cache_utils.maybe_convert_block_hash(parent))
     return out
+
+
+def test_the_connector_keys_prefixes_as_sglang_pages_under_the_sglang_scheme() -> None:
+    """`key_scheme="sglang"` in the connector: vLLM's saves land under SGLang's page keys (a chunk is a
+    page of the engine's block size), and a second engine's lookup hits them."""
+    import shutil
+    import tempfile
+
+    from agentstate import ModelSpec
+    from agentstate.keys import sglang_page_keys
+    from tests.test_adapter_vllm import req, run_engine, toks
+    from vllm_engine import make_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="sk"))
+    try:
+        model = make_model(str(tmp / "model"))
+        prompt = toks(700, 21)
+        conn = {"path": str(tmp / "data"), "key_scheme": "sglang", "chunk_tokens": 128}
+        first = run_engine(tmp, "one", {"model": model, "connector": conn, "rounds": [[req(prompt)]]})
+        again = run_engine(tmp, "two", {"model": model, "connector": conn, "rounds": [[req(prompt)]]})
+        assert first["rounds"][0][0]["cached"] == 0 and again["rounds"][0][0]["cached"] >= 5 * 128
+        assert again["rounds"][0][0]["tokens"] == first["rounds"][0][0]["tokens"]
+        spec = ModelSpec.model_validate_json((tmp / "data" / "spec.json").read_text())
+        keys = sglang_page_keys(prompt, fingerprint=spec.fingerprint, page_size=128, shard="pp0-1.cp0-1")
+
+        async def held() -> list[bool]:
+            cfg = StoreConfig(path=tmp / "data", chunk_tokens=128, key_scheme="sglang")
+            async with StateStore.open(cfg, spec) as store:
+                assert store.prefix_keys(prompt) == keys
+                return await store.chunks.present(keys)
+
+        assert asyncio.run(held()) == [True] * 5  # the 5 whole pages of 700 tokens, under SGLang's keys
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
