@@ -9,11 +9,10 @@ tests/test_adapter_vllm_events.py).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import pickle
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -57,6 +56,7 @@ class Subscriber:
         self.replay = replay.replace("0.0.0.0", "127.0.0.1") if replay else None
         self.held: set[tuple[int, str, str]] = set()
         self.seqs: list[int] = []
+        self.next = 0
         self.clears = 0
         self.dec = decoder()
 
@@ -72,13 +72,29 @@ class Subscriber:
             else:
                 self.held -= {(h, event.medium, event.ownership) for h in event.block_hashes}
 
-    def drain(self, wait: float = 0.3) -> None:
-        end = time.monotonic() + wait
+    def take(self, seq: int, payload: bytes) -> None:
+        """One batch, in sequence: a repeat is skipped, a gap is asked of the replay socket first."""
+        if seq < self.next:
+            return
+        if seq > self.next and self.replay is not None:
+            self.replay_from(self.next)
+            if seq < self.next:
+                return
+        self.seqs.append(seq)
+        self.apply(payload)
+        self.next = seq + 1
+
+    def drain(self, until: Callable[[], bool] | None = None, wait: float = 30.0) -> None:
+        """Apply batches as they come until `until()` holds (or, without one, for a moment of quiet);
+        the wait only bounds a hang: a loaded machine may take its time."""
+        end = time.monotonic() + (wait if until else 0.3)
         while time.monotonic() < end:
+            if until is not None and until():
+                return
             if self.sub.poll(50):
                 topic, seq, payload = self.sub.recv_multipart()
-                self.seqs.append(int.from_bytes(seq, "big"))
-                self.apply(payload)
+                self.take(int.from_bytes(seq, "big"), payload)
+        assert until is None or until(), "the events never showed what the tiers hold"
 
     def replay_from(self, start: int) -> list[int]:
         assert self.replay is not None
@@ -86,12 +102,16 @@ class Subscriber:
         req.connect(self.replay)
         req.send_multipart((b"", start.to_bytes(8, "big")))
         seqs = []
-        while req.poll(2000):
+        while req.poll(10_000):
             _, topic, seq, payload = req.recv_multipart()
             if seq == END_SEQ:
                 break
-            seqs.append(int.from_bytes(seq, "big"))
-            self.apply(payload)
+            n = int.from_bytes(seq, "big")
+            seqs.append(n)
+            if n >= self.next:
+                self.seqs.append(n)
+                self.apply(payload)
+                self.next = n + 1
         req.close(linger=0)
         return seqs
 
@@ -124,20 +144,19 @@ async def test_the_view_from_the_events_is_what_the_tiers_hold(store: StateStore
     assert endpoints is not None
     sub = Subscriber(*endpoints)
     try:
-        await asyncio.sleep(0.3)  # a PUB subscriber joins late (ZMQ): what came before is replayed below
         tokens_of = {f"s{i}": random_tokens(3 * CHUNK + 10 * i, seed=i) for i in range(4)}
         for sid, tokens in tokens_of.items():  # 12 chunks into a host tier of 6: evictions on the way
             await store.snapshot(sid, tokens, random_kv(SPEC4, len(tokens), seed=len(tokens)))
-        sub.drain()
-        assert sub.held == truth(store, tokens_of) and any(m == "CPU" for _, m, _ in sub.held)
+        sub.replay_from(0)  # a PUB subscriber joins late (ZMQ): what it missed comes from the replay socket
+        sub.drain(lambda: sub.held == truth(store, tokens_of))
+        assert any(m == "CPU" for _, m, _ in sub.held)
         assert {m for _, m, _ in sub.held} == {"CPU", "STORAGE"}
         assert sub.seqs == list(range(sub.seqs[0], sub.seqs[0] + len(sub.seqs)))  # no gap
 
         await store.delete("s0")  # its chunks leave every tier
-        sub.drain()
         gone = set(vllm_hashes(tokens_of.pop("s0")))
+        sub.drain(lambda: sub.held == truth(store, tokens_of))
         assert not {h for h, _, _ in sub.held} & gone
-        assert sub.held == truth(store, tokens_of)
 
         late = Subscriber(*endpoints)  # a router started now: the replay gives it the same view
         try:
@@ -169,11 +188,13 @@ async def test_a_restart_clears_then_announces_sessions_again_as_they_are_touche
     async with StateStore.open(cfg, SPEC4) as s:
         sub = Subscriber(*s.chunks.publisher_endpoints)  # type: ignore[misc]
         try:
-            sub.replay_from(0)
+            deadline = time.monotonic() + 30
+            while sub.clears == 0 and time.monotonic() < deadline:  # the open's clear, once it is published
+                sub.replay_from(sub.next)
+                time.sleep(0.01)
             assert sub.clears == 1 and sub.held == set()  # nothing is claimed before its tokens are known
             assert (await s.resume("a")).restored_tokens == len(tokens)
-            sub.drain()
-            assert sub.held == {(h, "STORAGE", "lmdb") for h in vllm_hashes(tokens[: 3 * CHUNK])}
+            sub.drain(lambda: sub.held == {(h, "STORAGE", "lmdb") for h in vllm_hashes(tokens[: 3 * CHUNK])})
         finally:
             sub.close()
 
@@ -191,9 +212,8 @@ async def test_a_bad_replay_request_is_ignored_and_the_publisher_keeps_going(sto
         try:
             tokens = random_tokens(CHUNK)
             await store.snapshot("x", tokens, random_kv(SPEC4, CHUNK))
-            await asyncio.sleep(0.2)
             assert sub.replay_from(0)  # still serving
-            assert {h for h, _, _ in sub.held} == set(vllm_hashes(tokens))
+            sub.drain(lambda: {h for h, _, _ in sub.held} == set(vllm_hashes(tokens)))
         finally:
             sub.close()
     finally:
