@@ -345,15 +345,10 @@ class StoreConfig(BaseSettings):
         description="largest record a framework may keep beside a session (a checkpoint, a conversation item;"
         " agentstate.records): bounds what one write can ask of the catalog",
     )  # fmt: skip
-    key_scheme: Literal["agentstate", "sglang"] = Field(
-        default="agentstate",
-        description="how shared prefixes are keyed: agentstate's chunk chain, or SGLang's page hash chain (chunk_tokens"
-        " is then SGLang's page size, and a prefix is shared with SGLang servers using agentstate as L3 on this data)",
-    )  # fmt: skip
-    sglang_shard: str = Field(
-        default="pp0-1.cp0-1", pattern=r"^[A-Za-z0-9_.-]{1,128}$",
-        description="key_scheme sglang: the SGLang ranks' shard (pipeline and context parallel ranks, as its rank"
-        " directory names it; a pool with a storage format tag appends it)",
+    key_scheme: str = Field(
+        default="agentstate", pattern=r"^[a-z][a-z0-9_]{0,31}(:[A-Za-z0-9_.-]{1,128})?$",
+        description="how shared prefixes are keyed: agentstate's chunk chain, or an engine's own scheme as its"
+        " adapter declares it (\"<name>[:<argument>]\"; docs/design.md), so that engine shares them",
     )  # fmt: skip
     kv_events: KVEventsConfig | None = Field(
         default=None,
@@ -366,6 +361,14 @@ class StoreConfig(BaseSettings):
         " when a delete or gc meets a full disk: freeing space needs free pages first (LMDB copies what it"
         " changes), so without it a full disk could refuse the very deletes that make room; 0 holds none",
     )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _key_scheme_declared(self) -> StoreConfig:
+        """A key scheme is an adapter's declaration: an unknown name is refused here, before anything opens."""
+        from agentstate import edges
+
+        edges.key_scheme(self.key_scheme)
+        return self
 
     @model_validator(mode="after")
     def _events_fit_chunks(self) -> StoreConfig:

@@ -11,6 +11,8 @@ reading them imports no engine. The adapters that ship with agentstate declare t
 from __future__ import annotations
 
 import importlib
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from agentstate.errors import InvalidArgumentError
@@ -30,11 +32,27 @@ class KeySpace:
 
 
 @dataclass(frozen=True)
+class KeyScheme:
+    """How an edge's engine names a shared prefix's chunks from its tokens, so that the store can key
+    prefixes the same way and share them with that engine (`StoreConfig.key_scheme = "<name>[:<argument>]"`).
+
+    `keys(tokens, fingerprint, chunk_tokens, argument, salt)` gives the keys of the full chunks;
+    `base(fingerprint, chunk_tokens, argument)` the keys' prefix before their last part (what a data-plane
+    handle carries). `salt` is None for the store's own tenant, else the tenant's id."""
+
+    name: str
+    keys: Callable[[array, str, int, str, str | None], list[str]]
+    base: Callable[[str, int, str], str]
+
+
+@dataclass(frozen=True)
 class Edge:
-    """One edge: `name` is its config-file table; `key_spaces` the keys it stores outside the catalog."""
+    """One edge: `name` is its config-file table; `key_spaces` the keys it stores outside the catalog;
+    `key_schemes` how its engine names prefixes, for stores that share them with it."""
 
     name: str
     key_spaces: tuple[KeySpace, ...] = ()
+    key_schemes: tuple[KeyScheme, ...] = ()
 
 
 _EDGES: dict[str, Edge] = {}
@@ -76,3 +94,18 @@ def tables() -> tuple[str, ...]:
 def key_spaces() -> list[KeySpace]:
     """Every key space the edges store outside the catalog."""
     return [s for e in edges() for s in e.key_spaces]
+
+
+DEFAULT_SCHEME = "agentstate"
+
+
+def key_scheme(scheme: str) -> tuple[KeyScheme | None, str]:
+    """The declared scheme named by `scheme` ("<name>[:<argument>]") and its argument; (None, "") for
+    agentstate's own chunk chain. An undeclared name is an InvalidArgumentError naming the known ones."""
+    name, _, argument = scheme.partition(":")
+    if name == DEFAULT_SCHEME and not argument:
+        return None, ""
+    known = {s.name: s for e in edges() for s in e.key_schemes}
+    if name not in known:
+        raise InvalidArgumentError(f"key_scheme {scheme!r}: no such scheme (known: {sorted([DEFAULT_SCHEME, *known])})")
+    return known[name], argument

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from typing import NewType
@@ -88,53 +87,6 @@ def chunk_keys(tokens: Sequence[int] | array, *, namespace: str, fingerprint: st
         prev = hashlib.blake2b(prev + raw[start : start + step], digest_size=32, person=b"agentstate-chunk").digest()
         keys.append(ChunkKey(f"{CHUNK_PREFIX}{fingerprint}/{prev.hex()}"))
     return keys
-
-
-SGLANG_PAGE_PREFIX = "p/"
-"""SGLang HiCache pages: `p/<fingerprint>/<page size>/<shard>/<SGLang page hash>` (adapters/sglang.py)."""
-
-
-def sglang_seed(extra_key: str | None, cache_salt: str | None) -> bytes | None:
-    """The digest SGLang seeds a storage chain with (`storage_namespace_seed`): None when both are absent."""
-    if extra_key is None and cache_salt is None:
-        return None
-    digest = hashlib.sha256(b"sglang-cache-namespace-v1")
-    for part in (extra_key, cache_salt):
-        if part is None:
-            digest.update(b"\x00")
-            continue
-        encoded = part.encode("utf-8")
-        digest.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
-    return digest.digest()
-
-
-def sglang_page_keys(
-    tokens: Sequence[int] | array, *, fingerprint: str, page_size: int, shard: str, salt: str | None = None
-) -> list[ChunkKey]:
-    """The keys under which an SGLang server with agentstate as its L3 stores the full pages of `tokens`.
-
-    SGLang names a page by a SHA-256 chain from the sequence's start (`get_storage_hash_str`): over
-    the previous page's digest (the namespace seed for the first page, when the request has a cache
-    salt), then each token id as 4 bytes little-endian unsigned. Anyone who has the tokens computes
-    the keys SGLang will ask for, and SGLang asks for the keys anyone who had the tokens stored under.
-    """
-    packed = tokens if isinstance(tokens, array) else token_array(tokens)
-    if packed and max(packed) >= 2**32:
-        raise InvalidArgumentError("SGLang page keys hash token ids as 4-byte unsigned ints: an id is >= 2**32")
-    raw = array("I", packed).tobytes() if sys.byteorder == "little" else _le32(packed)
-    prev = sglang_seed(None, salt)
-    step = page_size * 4
-    keys: list[ChunkKey] = []
-    for start in range(0, (len(packed) // page_size) * step, step):
-        prev = hashlib.sha256((prev or b"") + raw[start : start + step]).digest()
-        keys.append(ChunkKey(f"{SGLANG_PAGE_PREFIX}{fingerprint}/{page_size}/{shard}/{prev.hex()}"))
-    return keys
-
-
-def _le32(packed: array) -> bytes:
-    out = array("I", packed)
-    out.byteswap()
-    return out.tobytes()
 
 
 def tail_key(fingerprint: str, tenant: str, session_id: str, version: int, writer: str | None = None) -> TailKey:

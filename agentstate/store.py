@@ -138,6 +138,10 @@ class StateStore:
         """The keys of a shared prefix's full chunks (`put_prefix`, `match`, `load`; see `key_scheme`)."""
         return self._scope.prefix_keys(token_array(tokens))
 
+    def prefix_key_base(self) -> str:
+        """What every prefix key starts with before its last part (see `key_scheme`)."""
+        return self._scope.prefix_key_base()
+
     def session_lock(self, session_id: str) -> contextlib.AbstractAsyncContextManager[None]:
         """The one writer's place of this tenant's session in this process (see StoreScope)."""
         return self._scope.session_lock(session_id)

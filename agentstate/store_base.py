@@ -22,8 +22,9 @@ from agentstate.config import StoreConfig
 from agentstate.datadir import CATALOG
 from agentstate.errors import AgentStateError, CapacityError, KVShapeError
 from agentstate.keyed_locks import KeyedLocks
+from agentstate import edges
 from agentstate.keys import (
-    CHUNK_PREFIX, TAIL_PREFIX, ChunkKey, chunk_keys, namespace_for, sglang_page_keys, validate_id,
+    CHUNK_PREFIX, TAIL_PREFIX, ChunkKey, chunk_keys, namespace_for, token_array, validate_id,
 )  # fmt: skip
 from agentstate.reserve import StandingReserve, local_dirs
 from agentstate.spec import ModelSpec
@@ -129,14 +130,22 @@ class StoreScope:
         )
 
     def prefix_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
-        """The keys of the full chunks of a shared prefix: the chunk chain, or under `key_scheme="sglang"`
-        the keys of SGLang's pages (a chunk is a page), where the store's own tenant is SGLang's
-        requests without a cache salt and any other tenant those with its id as their salt."""
-        if self.config.key_scheme == "agentstate":
+        """The keys of the full chunks of a shared prefix: the chunk chain, or an engine's own scheme
+        (`key_scheme`, declared by its adapter), where the store's own tenant is that engine's requests
+        without a cache salt and any other tenant those whose salt is its id."""
+        scheme, argument = edges.key_scheme(self.config.key_scheme)
+        if scheme is None:
             return self.chunk_keys(tokens)
         salt = None if self.config.shared_namespace or self.tenant == self.config.tenant else self.tenant
-        return sglang_page_keys(tokens, fingerprint=self.fingerprint, page_size=self.chunk_tokens,
-                                shard=self.config.sglang_shard, salt=salt)  # fmt: skip
+        packed = token_array(tokens)
+        return [ChunkKey(k) for k in scheme.keys(packed, self.fingerprint, self.chunk_tokens, argument, salt)]
+
+    def prefix_key_base(self) -> str:
+        """What every prefix key starts with before its last part (the data plane's handles carry that part)."""
+        scheme, argument = edges.key_scheme(self.config.key_scheme)
+        if scheme is None:
+            return f"{CHUNK_PREFIX}{self.fingerprint}/"
+        return scheme.base(self.fingerprint, self.chunk_tokens, argument)
 
     def slices(self, kv: torch.Tensor, count: int) -> list[torch.Tensor]:
         """The first `count` full chunks of canonical `kv`, as views."""

@@ -195,7 +195,7 @@ def test_the_connector_keys_prefixes_as_sglang_pages_under_the_sglang_scheme() -
     import tempfile
 
     from agentstate import ModelSpec
-    from agentstate.keys import sglang_page_keys
+    from agentstate.adapters.sglang_keys import sglang_page_keys
     from tests.test_adapter_vllm import req, run_engine, toks
     from vllm_engine import make_model
 

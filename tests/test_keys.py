@@ -78,7 +78,7 @@ def test_sglang_page_keys_follow_sglangs_definition_and_tenants_stay_apart() -> 
     import hashlib
     import struct
 
-    from agentstate.keys import sglang_page_keys, sglang_seed
+    from agentstate.adapters.sglang_keys import sglang_page_keys, sglang_seed
 
     tokens = list(range(1000, 1040))
     seed = hashlib.sha256(b"sglang-cache-namespace-v1" + b"\x00" + b"\x01" + (3).to_bytes(8, "little") + b"abc")
@@ -95,10 +95,10 @@ def test_sglang_page_keys_follow_sglangs_definition_and_tenants_stay_apart() -> 
 
 async def test_the_sglang_scheme_keys_prefixes_by_page_and_salts_other_tenants(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from agentstate import StateStore, StoreConfig
-    from agentstate.keys import sglang_page_keys
+    from agentstate.adapters.sglang_keys import sglang_page_keys
     from tests.conftest import SPEC4, random_kv, random_tokens
 
-    cfg = StoreConfig(path=tmp_path / "s", chunk_tokens=16, key_scheme="sglang", sglang_shard="pp0-1.cp0-1.t")
+    cfg = StoreConfig(path=tmp_path / "s", chunk_tokens=16, key_scheme="sglang:pp0-1.cp0-1.t")
     tokens = random_tokens(50)
     async with StateStore.open(cfg, SPEC4) as store:
         mine = sglang_page_keys(tokens, fingerprint=SPEC4.fingerprint, page_size=16, shard="pp0-1.cp0-1.t")
@@ -111,5 +111,11 @@ async def test_the_sglang_scheme_keys_prefixes_by_page_and_salts_other_tenants(t
         out = SPEC4.empty_kv(48)
         assert await store.load(tokens, out) == 48
         assert out.view(torch.uint8).equal(random_kv(SPEC4, 50)[:, :, :48].contiguous().view(torch.uint8))
-    with pytest.raises(Exception):
-        StoreConfig(path=tmp_path / "x", key_scheme="sglang", sglang_shard="../evil")
+    from agentstate.settings import store_config
+
+    for bad in ("sglang:../evil", "nosuch", "sglang:a/b", "SGLANG"):  # typed, before anything opens
+        with pytest.raises(InvalidArgumentError):
+            store_config(None, path=tmp_path / "x", key_scheme=bad)
+            async with StateStore.open(store_config(None, path=tmp_path / "x", key_scheme=bad), SPEC4):
+                pass
+    assert not (tmp_path / "x").exists()

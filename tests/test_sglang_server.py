@@ -337,7 +337,7 @@ within this."""
 
 
 def test_sglang_page_keys_are_sglangs_own(extensions: Path) -> None:
-    """`agentstate.keys.sglang_page_keys` against SGLang's `get_storage_hash_str` (its native extension)."""
+    """`agentstate.adapters.sglang_keys.sglang_page_keys` against SGLang's `get_storage_hash_str` (its native extension)."""
     code = (
         "import json, sys\n"
         "from sglang.srt.mem_cache.utils import get_storage_hash_str\n"
@@ -349,7 +349,7 @@ def test_sglang_page_keys_are_sglangs_own(extensions: Path) -> None:
         "print(json.dumps(out))\n"
     )
     from tests.sglang_server import _env
-    from agentstate.keys import sglang_page_keys
+    from agentstate.adapters.sglang_keys import sglang_page_keys
 
     tokens = [random.Random(7).randrange(0, 150_000) for _ in range(100)]
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(tokens)], env=_env(extensions / "tmp", extensions),

@@ -18,7 +18,8 @@ from pydantic import Field
 from agentstate.adapters.runtime import AdapterSettings
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, InvalidArgumentError
-from agentstate.keys import sglang_page_keys, chunk_keys, namespace_for, validate_id
+from agentstate import edges
+from agentstate.keys import chunk_keys, namespace_for, token_array, validate_id
 from agentstate.spec import DTYPE_NAMES, ModelSpec
 
 if TYPE_CHECKING:
@@ -153,10 +154,10 @@ class ConnectorConfig:
 
     def keys(self, tokens: list[int], tenant: str) -> list[str]:
         """The chunk keys of `tokens`' whole chunks in `tenant`'s namespace, as the store computes them."""
-        if self.store.key_scheme == "sglang":  # SGLang's page chain: shared with SGLang servers (StoreScope.prefix_keys)
+        scheme, argument = edges.key_scheme(self.store.key_scheme)
+        if scheme is not None:  # an engine's own scheme, e.g. SGLang's pages: as StoreScope.prefix_keys keys them
             salt = None if self.store.shared_namespace or tenant == self.store.tenant else tenant
-            return list(sglang_page_keys(tokens, fingerprint=self.spec.fingerprint, page_size=self.chunk_tokens,
-                                         shard=self.store.sglang_shard, salt=salt))  # fmt: skip
+            return scheme.keys(token_array(tokens), self.spec.fingerprint, self.chunk_tokens, argument, salt)
         ns = namespace_for(tenant, self.store.shared_namespace)
         return list(chunk_keys(tokens, namespace=ns, fingerprint=self.spec.fingerprint, chunk_tokens=self.chunk_tokens))
 

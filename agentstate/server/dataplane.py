@@ -25,7 +25,7 @@ from fastapi import Depends, FastAPI, Request, Response
 
 from agentstate import codec
 from agentstate.errors import CorruptDataError, InvalidArgumentError
-from agentstate.keys import CHUNK_PREFIX, SGLANG_PAGE_PREFIX, ChunkKey, token_array
+from agentstate.keys import ChunkKey, token_array
 from agentstate.server.gate import ServiceContext, admit, frame_response, off_loop, read_body
 from agentstate.store import StateStore
 from agentstate.wire import (
@@ -69,10 +69,7 @@ class Handles:
     def key(self, store: StateStore, handle: str) -> ChunkKey:
         """The key `handle` names for this tenant; ChunkNotFoundError if it names none."""
         m = _HANDLE.fullmatch(handle)
-        cfg = store.config
-        base = (f"{SGLANG_PAGE_PREFIX}{store.fingerprint}/{store.chunk_tokens}/{cfg.sglang_shard}/"
-                if cfg.key_scheme == "sglang" else f"{CHUNK_PREFIX}{store.fingerprint}/")  # as prefix_keys names them
-        key = ChunkKey(f"{base}{m.group(1)}") if m else None
+        key = ChunkKey(f"{store.prefix_key_base()}{m.group(1)}") if m else None  # as prefix_keys names them
         if m is None or key is None or not hmac.compare_digest(m.group(2), self._mac(store.tenant, key)):
             raise ChunkNotFoundError(f"no chunk {handle[:100]!r}")
         return key
