@@ -31,16 +31,24 @@ from agentstate.errors import InvalidArgumentError
 from agentstate.events import END_SEQ, BlockHasher, decoder
 
 log = logging.getLogger("agentstate.router")
+MAX_REPLAY_BATCHES = 1_000_000
+"""Batches one replay may bring (vLLM keeps 10,000 by default); past it the replay counts as failed."""
 
 
 @dataclass
 class HostView:
-    """What one host said it holds: block hash -> mediums it is in (a count per medium and tier)."""
+    """What one host said it holds: block hash -> the (medium, tier) places it is in.
+
+    A place is a set member, not a count: an engine may announce a block again while it holds it (vLLM
+    reports prefix-cache reuse as BlockStored), and one removal must still take the claim away: a view
+    may hold less than the host, never more. `max_blocks` bounds what one host can make the router keep:
+    a stream claiming more is reset."""
 
     name: str
     endpoint: str
     replay: str | None
-    blocks: dict[int | bytes, Counter[tuple[str | None, str | None]]] = field(default_factory=dict)
+    max_blocks: int = 1 << 22
+    blocks: dict[int | bytes, set[tuple[str | None, str | None]]] = field(default_factory=dict)
     next_seq: int | None = None
     resets: int = 0
     sub: Any = None
@@ -53,15 +61,16 @@ class HostView:
             elif kind == "BlockStored":
                 where = (event.medium, getattr(event, "ownership", None))
                 for h in event.block_hashes:
-                    self.blocks.setdefault(h, Counter())[where] += 1
+                    self.blocks.setdefault(h, set()).add(where)
+                if len(self.blocks) > self.max_blocks:
+                    log.warning("router: %s claims more than %d blocks; its view starts over", self.name, self.max_blocks)
+                    self.reset()
             elif kind == "BlockRemoved":
                 where = (event.medium, getattr(event, "ownership", None))
                 for h in event.block_hashes:
                     held = self.blocks.get(h)
                     if held is not None:
-                        held[where] -= 1
-                        if held[where] <= 0:
-                            del held[where]
+                        held.discard(where)
                         if not held:
                             del self.blocks[h]
 
@@ -114,8 +123,10 @@ class PrefixRouter:
         req.connect(view.replay)
         req.send_multipart((b"", start.to_bytes(8, "big")))
         first: int | None = None
+        taken = 0
         try:
-            while req.poll(2000):
+            while req.poll(2000) and taken <= MAX_REPLAY_BATCHES:  # a replay that never ends is cut off
+                taken += 1
                 frames = req.recv_multipart()
                 if len(frames) != 4:
                     return False

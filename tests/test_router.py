@@ -115,3 +115,20 @@ def test_a_gap_is_replayed_and_garbage_resets_only_its_host() -> None:
     finally:
         router.close()
         ctx.destroy(linger=0)
+
+
+def test_a_block_announced_twice_is_gone_after_one_removal_and_a_flood_resets_only_its_host() -> None:
+    from agentstate.event_wire import BlockRemoved
+    from agentstate.router import HostView
+
+    view = HostView("h", "tcp://x", None, max_blocks=100)
+
+    def stored(hashes: list[int]) -> BlockStored:
+        return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[0] * 16 * len(hashes),
+                           block_size=16, lora_id=None, medium="GPU", lora_name=None)  # fmt: skip
+
+    view.apply([stored([1, 2]), stored([1])])  # vLLM reports a reused block as stored again
+    view.apply([BlockRemoved(block_hashes=[1], medium="GPU")])
+    assert set(view.blocks) == {2}  # never more than the host holds
+    view.apply([stored(list(range(1000, 1200)))])  # a stream claiming more than the bound
+    assert view.blocks == {} and view.resets == 1
