@@ -9,6 +9,7 @@ tests/test_adapter_vllm_events.py).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import pickle
 import time
@@ -295,3 +296,14 @@ async def test_one_medium_per_tier_and_the_operator_may_rename_them(tmp_path: Pa
     named = {**EVENTS, "mediums": {"lmdb": "NVME"}}
     async with StateStore.open(cfg.model_copy(update={"kv_events": KVEventsConfig(**named)}), SPEC4) as s:
         assert s.chunks.events.mediums["lmdb"] == ("NVME", "LOCAL")  # type: ignore[union-attr]
+
+
+async def test_the_service_exports_the_event_counters(store: StateStore) -> None:
+    tokens = random_tokens(2 * CHUNK)
+    await store.snapshot("m", tokens, random_kv(SPEC4, 2 * CHUNK))
+    deadline = time.monotonic() + 30
+    while store.chunks.counters()["kv_events_published"] < 3 and time.monotonic() < deadline:  # clear + 2 stored x 2 tiers
+        await asyncio.sleep(0.01)
+    counters = store.chunks.counters()
+    assert counters["kv_events_published"] >= 3 and counters["kv_events_dropped"] == 0
+    assert counters["kv_chunks_forgotten"] == 0

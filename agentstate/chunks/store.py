@@ -680,9 +680,12 @@ class ChunkStore:
 
     def counters(self) -> dict[str, int]:
         scratch = self._scratch.stats()
+        events = self.events.stats() if self.events is not None else {}
         return {
             **self._transfer.counts, **self._manager.counts, **self._counts, "io_peak_in_flight": self._io.peak_in_flight,
             "scratch_reused": scratch.reused, "scratch_fresh": scratch.fresh,
+            "kv_events_published": events.get("events_published", 0), "kv_events_dropped": events.get("events_dropped", 0),
+            "kv_chunks_forgotten": events.get("chunks_forgotten", 0),
         }  # fmt: skip
 
     def tier_counters(self) -> dict[str, dict[str, int]]:

@@ -115,6 +115,15 @@ _STORE_COUNTERS = {  # chunk-layer counter -> (family, help)
         "agentstate_layout_conversions",
         "Chunks stored in an engine's own layout (vLLM's CPU blocks) converted to canonical KV for another reader.",
     ),
+    "kv_events_published": ("agentstate_kv_events_published", "KV events (kv_events) published for routers."),
+    "kv_events_dropped": (
+        "agentstate_kv_events_dropped",
+        "KV events replaced by one AllBlocksCleared because more than max_queue_size waited.",
+    ),
+    "kv_chunks_forgotten": (
+        "agentstate_kv_chunks_forgotten",
+        "Chunks announced removed to routers because more than max_tracked_chunks were tracked.",
+    ),
 }
 
 
