@@ -21,7 +21,7 @@ from pydantic import ValidationError
 import agentstate.manifest as manifests  # its clock read through the module: a test that sets it sets it here
 from agentstate.catalog import named_keys
 from agentstate.errors import InvalidArgumentError
-from agentstate.keys import ChunkKey, chunk_keys, tail_key, token_array, validate_id
+from agentstate.keys import ChunkKey, tail_key, token_array, validate_id
 from agentstate.manifest import SessionManifest
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ class Scope(Protocol):
     def chunks(self) -> ChunkStore: ...
     @property
     def config(self) -> StoreConfig: ...
+    def prefix_keys(self, tokens: Sequence[int]) -> list[ChunkKey]: ...
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def check_snapshot(
             f"guaranteed_until is {guaranteed_until - stamp:.0f}s away, but the record tier"
             f" {scope.chunks.record_tier!r} expires chunks after {record_ttl:g}s: the contract could not be kept"
         )
-    keys = chunk_keys(packed, namespace=scope.namespace, fingerprint=scope.fingerprint, chunk_tokens=scope.chunk_tokens)
+    keys = scope.prefix_keys(packed)  # a session's chunks are the prefix's: stored once (see key_scheme)
     return SnapshotRequest(session_id, packed, keys, state, ttl_seconds, guaranteed_until, pinned)
 
 

@@ -119,3 +119,31 @@ async def test_the_sglang_scheme_keys_prefixes_by_page_and_salts_other_tenants(t
             async with StateStore.open(store_config(None, path=tmp_path / "x", key_scheme=bad), SPEC4):
                 pass
     assert not (tmp_path / "x").exists()
+
+
+async def test_under_the_sglang_scheme_a_session_is_stored_as_sglang_pages_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A session's chunks are the very pages its prefix has (stored once), resumed bit-exact, gone with it."""
+    from agentstate import StateStore, StoreConfig
+    from agentstate.adapters.sglang_keys import sglang_page_keys
+    from agentstate.ops.verify import verify
+    from tests.conftest import SPEC4, random_kv, random_tokens
+
+    cfg = StoreConfig(path=tmp_path / "s", chunk_tokens=16, key_scheme="sglang")
+    tokens, kv = random_tokens(70), random_kv(SPEC4, 70)
+    async with StateStore.open(cfg, SPEC4) as store:
+        manifest = await store.snapshot("agent", tokens, kv)
+        pages = sglang_page_keys(tokens, fingerprint=SPEC4.fingerprint, page_size=16)
+        assert manifest.chunk_keys == pages and len(pages) == 4
+        assert (await store.match(tokens)).tokens == 64  # the session's pages are the prefix's
+        assert await store.put_prefix(tokens, kv) == 0  # nothing new: stored once
+        got = await store.resume("agent")
+        assert got.restored_tokens == 70 and got.kv.view(torch.uint8).equal(kv.view(torch.uint8))
+        report = await verify(store)
+        assert report.clean and not report.missing and not report.orphans
+        await store.delete("agent")
+        assert (await store.match(tokens)).tokens == 64  # the prefix record still names them
+        await store.snapshot("alone", tokens[:40] + [7] * 30, random_kv(SPEC4, 70, seed=3))
+        own = sglang_page_keys(tokens[:40] + [7] * 30, fingerprint=SPEC4.fingerprint, page_size=16)[2:]
+        assert await store.chunks.present(own) == [True, True]
+        await store.delete("alone")
+        assert await store.chunks.present(own) == [False, False]  # nothing else named them: gone with it

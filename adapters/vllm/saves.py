@@ -159,7 +159,7 @@ class Saves:
             if chunks:
                 view = store.for_tenant(job.tenant)
                 if job.salt:  # the KV events hash these chunks as vLLM does: salted (learned before they are stored)
-                    view.chunks.learn(view.chunk_keys(job.tokens)[: max(chunks) + 1], job.tokens, job.salt)
+                    view.chunks.learn(view.prefix_keys(job.tokens)[: max(chunks) + 1], job.tokens, job.salt)
                 stored = await view.put_chunks(job.tokens, chunks)
                 self.counts.add(stored_tokens=stored)
         except Exception as exc:  # noqa: BLE001 - a lost save is a later miss
