@@ -132,9 +132,11 @@ class Collector:
         self.ctx.destroy(linger=0)
 
 
-def test_a_real_engines_events_and_the_connectors_name_the_same_blocks() -> None:
-    """vLLM publishes its GPU blocks, the connector what its tiers hold: a router hashing a prompt once
-    finds both, the cache salt included."""
+def test_a_real_engine_under_the_sglang_scheme_with_events() -> None:
+    """One vLLM engine (CI time), two things shown. (1) KV events: vLLM publishes its GPU blocks, the
+    connector what its tiers hold; a router hashing a prompt once finds both, the cache salt included.
+    (2) `key_scheme="sglang"`: the connector's saves land under SGLang's page keys (a chunk is one
+    128-token page) and the next round, its GPU cache reset, loads them."""
     import shutil
     import tempfile
 
@@ -146,6 +148,8 @@ def test_a_real_engines_events_and_the_connectors_name_the_same_blocks() -> None
 
 
 def _real_engine(tmp_path: Path) -> None:
+    from agentstate import ModelSpec
+    from agentstate.adapters.sglang_keys import sglang_page_keys
     from tests.ports import free_port
     from tests.test_adapter_vllm import req, run_engine, toks
     from vllm_engine import make_model
@@ -154,14 +158,14 @@ def _real_engine(tmp_path: Path) -> None:
     ours, theirs = free_port(), free_port()
     plain, salted = toks(700, 11), toks(600, 12)
     job = {
-        "model": model, "rounds": [[req(plain), req(salted, salt="tenant-b")]],
-        "connector": {"path": str(tmp_path / "data"), "kv_events": {
+        "model": model, "rounds": [[req(plain), req(salted, salt="tenant-b")], [req(plain)]],
+        "connector": {"path": str(tmp_path / "data"), "key_scheme": "sglang", "chunk_tokens": 128, "kv_events": {
             "enable_kv_cache_events": True, "endpoint": f"tcp://*:{ours}", "block_size": 128}},
         "kv_events": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{theirs}"},
     }  # fmt: skip
     collect = Collector({"agentstate": f"tcp://127.0.0.1:{ours}", "vllm": f"tcp://127.0.0.1:{theirs}"})
     try:
-        run_engine(tmp_path, "events", job)
+        out = run_engine(tmp_path, "events", job)
         time.sleep(0.5)
     finally:
         collect.close()
@@ -170,11 +174,24 @@ def _real_engine(tmp_path: Path) -> None:
     mine = {h for e in stored["agentstate"] for h in e.block_hashes}
     assert {e.block_size for e in stored["vllm"]} == {128} and stored["agentstate"]
     assert mine and mine <= engine  # every block the tiers announce is one the engine names the same way
-    # the two prompts' whole chunks (256 tokens: 2 blocks each), the salted one hashed with its salt
-    algo = "sha256"
-    want = set(vllm_chain_sized(plain[:512], algo, 128)) | set(vllm_chain_sized(salted[:512], algo, 128, "tenant-b"))
+    # the two prompts' whole chunks (128 tokens: one block each), the salted one hashed with its salt
+    want = set(vllm_chain_sized(plain[:640], "sha256", 128)) | set(vllm_chain_sized(salted[:512], "sha256", 128, "tenant-b"))
     assert mine == want
     assert {e.medium for e in stored["agentstate"]} == {"CPU", "STORAGE"}
+
+    first, again = out["rounds"][0][0], out["rounds"][1][0]
+    assert first["cached"] == 0 and again["cached"] >= 5 * 128 and again["tokens"] == first["tokens"]
+    spec = ModelSpec.model_validate_json((tmp_path / "data" / "spec.json").read_text())
+    pages = sglang_page_keys(plain, fingerprint=spec.fingerprint, page_size=128)
+    salted_pages = sglang_page_keys(salted, fingerprint=spec.fingerprint, page_size=128, salt="tenant-b")
+
+    async def held() -> list[bool]:
+        cfg = StoreConfig(path=tmp_path / "data", chunk_tokens=128, key_scheme="sglang")
+        async with StateStore.open(cfg, spec) as store:
+            assert store.prefix_keys(plain) == pages
+            return await store.chunks.present([*pages, *salted_pages])
+
+    assert asyncio.run(held()) == [True] * 9  # 5 + 4 whole pages, each under SGLang's key for its tenant
 
 
 def vllm_chain_sized(tokens: list[int], algo: str, block: int, salt: str | None = None) -> list[int]:
@@ -188,35 +205,3 @@ def vllm_chain_sized(tokens: list[int], algo: str, block: int, salt: str | None 
     return out
 
 
-def test_the_connector_keys_prefixes_as_sglang_pages_under_the_sglang_scheme() -> None:
-    """`key_scheme="sglang"` in the connector: vLLM's saves land under SGLang's page keys (a chunk is a
-    page of the engine's block size), and a second engine's lookup hits them."""
-    import shutil
-    import tempfile
-
-    from agentstate import ModelSpec
-    from agentstate.adapters.sglang_keys import sglang_page_keys
-    from tests.test_adapter_vllm import req, run_engine, toks
-    from vllm_engine import make_model
-
-    tmp = Path(tempfile.mkdtemp(prefix="sk"))
-    try:
-        model = make_model(str(tmp / "model"))
-        prompt = toks(700, 21)
-        conn = {"path": str(tmp / "data"), "key_scheme": "sglang", "chunk_tokens": 128}
-        first = run_engine(tmp, "one", {"model": model, "connector": conn, "rounds": [[req(prompt)]]})
-        again = run_engine(tmp, "two", {"model": model, "connector": conn, "rounds": [[req(prompt)]]})
-        assert first["rounds"][0][0]["cached"] == 0 and again["rounds"][0][0]["cached"] >= 5 * 128
-        assert again["rounds"][0][0]["tokens"] == first["rounds"][0][0]["tokens"]
-        spec = ModelSpec.model_validate_json((tmp / "data" / "spec.json").read_text())
-        keys = sglang_page_keys(prompt, fingerprint=spec.fingerprint, page_size=128, shard="pp0-1.cp0-1")
-
-        async def held() -> list[bool]:
-            cfg = StoreConfig(path=tmp / "data", chunk_tokens=128, key_scheme="sglang")
-            async with StateStore.open(cfg, spec) as store:
-                assert store.prefix_keys(prompt) == keys
-                return await store.chunks.present(keys)
-
-        assert asyncio.run(held()) == [True] * 5  # the 5 whole pages of 700 tokens, under SGLang's keys
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
