@@ -2,7 +2,7 @@
 
 Nothing lost (every session resumes its last committed version bit-exact, also after a restart),
 no error, and anonymous memory stops growing: the second half of the run peaks within 64 MiB
-of the first half's peak (host tier and restore pool are bounded at 32 MiB each).
+of the first half's peak (host tier, restore pool and the encoders' scratch are bounded at 32 MiB each).
 
 The soak runs in a process of its own: a test worker's memory also holds what earlier tests in it
 left for the collector and the allocator to give back (a CI run once measured 713 MiB at the start
