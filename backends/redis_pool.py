@@ -27,6 +27,7 @@ from agentstate.backends.redis_wire import (
     WireConfig,
     WireError,
     WireProtocolError,
+    handshake,
     pack,
 )  # fmt: skip
 
@@ -52,12 +53,7 @@ class NodePool:
     async def _open(self) -> RespProtocol:
         cfg = self.config
         _, proto = await asyncio.get_running_loop().create_connection(RespProtocol, cfg.host, cfg.port)
-        hello = []
-        if cfg.password is not None:
-            creds = (cfg.username, cfg.password) if cfg.username else (cfg.password,)
-            hello.append(pack(b"AUTH", *(c.encode() for c in creds)))
-        if cfg.db:
-            hello.append(pack(b"SELECT", str(cfg.db).encode()))
+        hello = handshake(cfg)
         if hello:
             loop = asyncio.get_running_loop()
             reqs = [Request(None, loop.create_future(), b"+") for _ in hello]

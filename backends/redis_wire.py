@@ -103,6 +103,17 @@ def pack(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
+def handshake(cfg: WireConfig) -> list[bytes]:
+    """The commands a new connection sends first (AUTH, SELECT), each answered `+OK` when accepted."""
+    hello = []
+    if cfg.password is not None:
+        creds = (cfg.username, cfg.password) if cfg.username else (cfg.password,)
+        hello.append(pack(b"AUTH", *(c.encode() for c in creds)))
+    if cfg.db:
+        hello.append(pack(b"SELECT", str(cfg.db).encode()))
+    return hello
+
+
 class Request:
     """One command on a connection: where its value goes, and the future its caller awaits."""
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
 
-from agentstate.backends.redis_wire import WireConfig, WireError, WireProtocolError, pack
+from agentstate.backends.redis_wire import WireConfig, WireError, WireProtocolError, handshake
 from agentstate.errors import AgentStateError, BackendError, BackendRefusedError, CapacityError
 
 if TYPE_CHECKING:
@@ -82,12 +82,7 @@ class SetConnection:
         conn = cls(sock)
         try:
             await loop.sock_connect(sock, addr)
-            hello = []
-            if cfg.password is not None:
-                creds = (cfg.username, cfg.password) if cfg.username else (cfg.password,)
-                hello.append(pack(b"AUTH", *(c.encode() for c in creds)))
-            if cfg.db:
-                hello.append(pack(b"SELECT", str(cfg.db).encode()))
+            hello = handshake(cfg)
             if hello:
                 await conn._send([memoryview(b"".join(hello))])
                 for _ in hello:
