@@ -84,6 +84,11 @@ class KVEventsConfig(BaseModel):
         return self
 
 
+def external_hash(h: bytes, as_int: bool) -> int | bytes:
+    """A block hash as events carry it: vLLM's `maybe_convert_block_hash` (the low 64 bits), or the digest."""
+    return int.from_bytes(h, "big") & ((1 << 64) - 1) if as_int else h
+
+
 class BlockHasher:
     """vLLM's block hash chain: `H((parent or NONE_HASH, tuple(block tokens), extra_keys))`."""
 
@@ -148,7 +153,7 @@ class KVEvents:
         self.published_events = 0
 
     def _external(self, h: bytes) -> int | bytes:
-        return int.from_bytes(h, "big") & ((1 << 64) - 1) if self.config.int_block_hashes else h
+        return external_hash(h, self.config.int_block_hashes)
 
     def _emit(self, event: Any) -> None:
         if len(self._pending) >= self.config.max_queue_size:  # nobody is taking them: say so, start over

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentstate.errors import InvalidArgumentError
-from agentstate.events import END_SEQ, BlockHasher, decoder
+from agentstate.events import END_SEQ, BlockHasher, decoder, external_hash
 
 log = logging.getLogger("agentstate.router")
 MAX_REPLAY_BATCHES = 1_000_000
@@ -182,9 +182,7 @@ class PrefixRouter:
 
     def hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[int | bytes]:
         raw = self.hasher.chain(None, list(tokens), self.block_size, salt)
-        if not self.int_block_hashes:
-            return list(raw)
-        return [int.from_bytes(h, "big") & ((1 << 64) - 1) for h in raw]
+        return [external_hash(h, self.int_block_hashes) for h in raw]
 
     def matches(self, tokens: Sequence[int], salt: str | None = None) -> dict[str, int]:
         """Per host, how many leading tokens of `tokens` it holds (whole blocks, any medium)."""
