@@ -76,17 +76,33 @@ def chain_root(namespace: str, fingerprint: str) -> bytes:
     return h.digest()
 
 
-def chunk_keys(tokens: Sequence[int] | array, *, namespace: str, fingerprint: str, chunk_tokens: int) -> list[ChunkKey]:
-    """Keys of every full chunk of `tokens` (a partial last chunk gets none: it is a tail)."""
+def chunk_keys(
+    tokens: Sequence[int] | array, *, namespace: str, fingerprint: str, chunk_tokens: int, chain: str | None = None
+) -> list[ChunkKey]:
+    """Keys of every full chunk of `tokens` (a partial last chunk gets none: it is a tail).
+
+    The digest chain starts from `chain` (the model's fingerprint, `ModelSpec.model_fingerprint`;
+    default `fingerprint`), the key's spec segment is `fingerprint` (the slice of heads the value
+    holds): one prefix has one digest at every TP size, and each slice of it its own key."""
     packed = tokens if isinstance(tokens, array) else token_array(tokens)
     raw = memoryview(packed).cast("B")
     step = chunk_tokens * packed.itemsize
-    prev = chain_root(namespace, fingerprint)
+    prev = chain_root(namespace, chain or fingerprint)
     keys: list[ChunkKey] = []
     for start in range(0, (len(packed) // chunk_tokens) * step, step):
         prev = hashlib.blake2b(prev + raw[start : start + step], digest_size=32, person=b"agentstate-chunk").digest()
         keys.append(ChunkKey(f"{CHUNK_PREFIX}{fingerprint}/{prev.hex()}"))
     return keys
+
+
+def respec(key: str, fingerprint: str, other: str) -> str:
+    """`key` (a chunk's, a tail's or an engine scheme's: `<kind>/<fingerprint>/...`) with its spec
+    segment `fingerprint` replaced by `other`: the same chunk as another slice of heads holds it.
+    InvalidArgumentError when `key` does not name `fingerprint` there."""
+    kind, sep, rest = key.partition("/")
+    if not sep or not rest.startswith(fingerprint + "/"):
+        raise InvalidArgumentError(f"key {key[:120]!r} does not belong to spec {fingerprint}")
+    return f"{kind}/{other}{rest[len(fingerprint):]}"
 
 
 def tail_key(fingerprint: str, tenant: str, session_id: str, version: int, writer: str | None = None) -> TailKey:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from agentstate.errors import KVShapeError
+from agentstate.errors import InvalidArgumentError, KVShapeError
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +73,51 @@ class ModelSpec(BaseModel):
         """
         payload = self.model_dump_json().encode()
         return hashlib.blake2b(payload, digest_size=16, person=b"agentstate-spec").hexdigest()
+
+    @property
+    def head_range(self) -> tuple[int, int]:
+        """The model's KV heads this rank holds, `[first, end)`: rank r of n holds the r-th of n
+        equal slices (vLLM's and SGLang's split when the heads divide by the TP size)."""
+        return self.tp_rank * self.num_kv_heads, (self.tp_rank + 1) * self.num_kv_heads
+
+    @property
+    def whole(self) -> ModelSpec:
+        """The spec of the whole model (every head, TP size 1): what a chunk's key chain is named by,
+        so the chunks of one prefix have one name at every TP size (`model_fingerprint`)."""
+        if self.tp_size == 1:
+            return self
+        return self.model_copy(update={"num_kv_heads": self.num_kv_heads * self.tp_size, "tp_rank": 0, "tp_size": 1})
+
+    @property
+    def model_fingerprint(self) -> str:
+        """The fingerprint of `whole`: equal for every rank of every TP size of one model. A chunk's
+        digest chain starts from it; its key's spec segment (`fingerprint`) names the slice it holds."""
+        return self.whole.fingerprint
+
+    def slicing(self, tp_size: int, tp_rank: int) -> ModelSpec:
+        """Rank `tp_rank` of `tp_size` of this spec's model; InvalidArgumentError when the model's
+        heads do not split into `tp_size` equal slices."""
+        heads = self.whole.num_kv_heads
+        if tp_size < 1 or heads % tp_size or not 0 <= tp_rank < tp_size:
+            raise InvalidArgumentError(f"{heads} KV heads do not split into rank {tp_rank} of {tp_size}")
+        return self.model_copy(update={"num_kv_heads": heads // tp_size, "tp_rank": tp_rank, "tp_size": tp_size})
+
+    def sources(self) -> list[list[ModelSpec]]:
+        """The other slicings of this model whose slices together hold this rank's heads: for each TP
+        size the heads divide by (other than this spec's), the ranks overlapping `head_range`, in
+        order of the bytes a reader fetches (fewest first, then fewer values). What a reader of
+        chunks another TP size stored reads (`agentstate.heads`)."""
+        heads = self.whole.num_kv_heads
+        first, end = self.head_range
+        found = []
+        for size in range(1, min(heads, 1024) + 1):
+            if heads % size or size == self.tp_size:
+                continue
+            width = heads // size
+            ranks = range(first // width, -(-end // width))
+            found.append([self.slicing(size, r) for r in ranks])
+        found.sort(key=lambda parts: (len(parts) * parts[0].num_kv_heads, len(parts)))
+        return found
 
     @property
     def torch_dtype(self) -> torch.dtype:

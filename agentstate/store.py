@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 from pydantic import BaseModel
 from typing_extensions import Self
 
-from agentstate import datadir
+from agentstate import datadir, slices
 from agentstate.backends.base import BackendStats
 from agentstate.catalog import Catalog
 from agentstate.chunks import ChunkStore, PrefetchHandle, PrefetchPolicy, deadline_for
@@ -295,11 +295,32 @@ class StateStore:
         })  # fmt: skip
         return len(new) * c
 
+    async def lookup_keys(self, keys: Sequence[ChunkKey] | Sequence[str]) -> int:
+        """How many leading chunks of a prefix (`prefix_keys`) are stored in this store's slicing of
+        heads, after bringing in those another TP size of the model stored (`agentstate.slices`):
+        read, narrowed or assembled to this rank's heads, and kept under this slicing's keys."""
+        n = await self.chunks.lookup(keys)
+        if n == len(keys) or self.chunks.read_only:
+            return n
+        try:
+            sources = await slices.find(self.chunks, self.spec, keys, n)
+            if not sources:
+                return n
+            kv = await slices.gather(self.chunks, self.spec, sources, self.chunk_tokens)
+            if kv:
+                got = [ChunkKey(keys[s.index]) for s in sources[: len(kv)]]
+                await self._store_prefix(got, kv, [ChunkKey(k) for k in keys[: n + len(kv)]])
+                self.chunks.count(chunks_resliced=len(kv))
+        except AgentStateError as exc:  # a miss, never a failed lookup: the engine computes the rest
+            log.warning("chunks stored at another TP size not brought in: %s", exc)
+            return n
+        return n + len(kv)
+
     async def match(self, tokens: Sequence[int] | torch.Tensor) -> MatchResult:
         """How many leading tokens are cached (whole chunks), and which tier serves each chunk."""
         packed = token_array(tokens)
         keys = self._scope.prefix_keys(packed)
-        n = await self.chunks.lookup(keys)
+        n = await self.lookup_keys(keys)
         self.chunks.learn(keys[:n], packed)
         tiers = [self.chunks.fastest(k) or "" for k in keys[:n]]
         return MatchResult(tokens=n * self.chunk_tokens, chunks=n, tiers=tiers)
@@ -311,7 +332,7 @@ class StateStore:
         lacks); the reads go on in the background.
         """
         keys = self._scope.prefix_keys(token_array(tokens))
-        return self.chunks.prefetch(keys[: await self.chunks.lookup(keys)], self.chunk_tokens)
+        return self.chunks.prefetch(keys[: await self.lookup_keys(keys)], self.chunk_tokens)
 
     async def load(
         self,
@@ -331,7 +352,7 @@ class StateStore:
         target = self._scope.target(into)
         packed = token_array(tokens)
         keys = self._scope.prefix_keys(packed)
-        n = min(await self.chunks.lookup(keys), target.num_tokens // self.chunk_tokens)
+        n = min(await self.lookup_keys(keys), target.num_tokens // self.chunk_tokens)
         policy = policy or self.config.prefetch_policy
         deadline = deadline_for(
             policy, n * self.chunk_tokens, timeout=timeout, base=self.config.prefetch_timeout_base_s,
@@ -368,7 +389,7 @@ class StateStore:
         validate_id(name, "hint name")
         parsed = Hint.parse(hint, expected_s)
         keys = self._scope.prefix_keys(token_array(tokens))
-        keys = keys[: await self.chunks.lookup(keys)]
+        keys = keys[: await self.lookup_keys(keys)]
         self.usage_log.add(self.tenant, None, {"hints": 1})
         return await self._sessions.apply_hint(
             f"prefix:{self.tenant}/{name}", name, list(keys), [self.chunk_tokens] * len(keys), parsed

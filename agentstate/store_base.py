@@ -126,7 +126,10 @@ class StoreScope:
     def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
         """The keys of the full chunks of `tokens` in this tenant's namespace."""
         return list(
-            chunk_keys(tokens, namespace=self.namespace, fingerprint=self.fingerprint, chunk_tokens=self.chunk_tokens)
+            chunk_keys(
+                tokens, namespace=self.namespace, fingerprint=self.fingerprint, chunk_tokens=self.chunk_tokens,
+                chain=self.spec.model_fingerprint,
+            )
         )
 
     def prefix_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:

@@ -477,6 +477,21 @@ class ChunkStore:
             await asyncio.wait(waits)  # not cancelled with this read: other readers wait on it too
         return await self._transfer.read(keys, spans, target, staged=staged, usage=usage, lossy=lossy, stored=stored)
 
+    async def read_as(
+        self, spec: ModelSpec, keys: Sequence[str], tokens: Sequence[int], deliver: Callable[[int, torch.Tensor], None]
+    ) -> list[bool]:
+        """Read chunks another slice of this model's heads stored (`spec`, `agentstate.slices`):
+        `deliver(i, canonical KV)` in a pool thread, a view valid during the call. Keys must be pinned."""
+        return await self._transfer.read_as(spec, keys, tokens, deliver)
+
+    @property
+    def read_only(self) -> bool:
+        return self._read_only
+
+    def count(self, **amounts: int) -> None:
+        """Add to this store's own counters (`counters()`)."""
+        self._counts.update(amounts)
+
     def read_held(
         self, keys: Sequence[str], tokens: Sequence[int], deliver: Callable[[int, torch.Tensor], None]
     ) -> list[bool]:

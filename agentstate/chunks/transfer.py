@@ -87,8 +87,8 @@ class Transfer:
             log.warning("tier %s: dropping %d bad chunks failed (%s); a later read or gc retries", tier.name,
                         len(doomed), exc)  # fmt: skip
 
-    def _chunk_bytes(self, tokens: int) -> int:
-        return codec.encoded_size(tokens * self.spec.token_bytes)
+    def _chunk_bytes(self, tokens: int, spec: ModelSpec | None = None) -> int:
+        return codec.encoded_size(tokens * (spec or self.spec).token_bytes)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -137,6 +137,14 @@ class Transfer:
         for i, good in zip(rest, got):
             ok[i] = good
         return ok
+
+    async def read_as(
+        self, spec: ModelSpec, keys: Sequence[str], tokens: Sequence[int], deliver: Callable[[int, torch.Tensor], None]
+    ) -> list[bool]:
+        """Read chunks another slice of this model's heads stored (`spec`: that slice's) and hand
+        each to `deliver(i, canonical KV)` in a pool thread, a view valid only during the call; never
+        promoted (the reader stores what it makes of them under its own keys)."""
+        return await self._read(keys, tokens, lambda i, src: deliver(i, self._as(None, src)), promote=False, spec=spec)  # type: ignore[arg-type]
 
     def _as(self, native: int | None, src: torch.Tensor | NativeKV) -> torch.Tensor | NativeKV:
         """`src` as the target takes it: its own layout as it is, any other converted to canonical
@@ -198,9 +206,11 @@ class Transfer:
         promote: bool = True,
         lossy: set[str] | None = None,
         native: int | None = None,
+        spec: ModelSpec | None = None,
     ) -> list[bool]:
         """Read `keys` from the fastest tier holding an intact copy; `deliver(i, src)` gets chunk i as
-        canonical KV, or as `NativeKV` where it is stored in layout `native` (the target's own)."""
+        canonical KV, or as `NativeKV` where it is stored in layout `native` (the target's own).
+        `spec`: the keys hold chunks of another slice of this model's heads (`read_as`)."""
         ok = [False] * len(keys)
         pending = list(range(len(keys)))
         index = self.manager.index
@@ -214,7 +224,7 @@ class Transfer:
             if todo:
                 got = await self._read_tier(
                     tier, [keys[i] for i in todo], [tokens[i] for i in todo], _remap(deliver, todo), staged,
-                    usage=usage, promote=promote, lossy=lossy, native=native,
+                    usage=usage, promote=promote, lossy=lossy, native=native, spec=spec,
                 )  # fmt: skip
                 for i, good in zip(todo, got):
                     ok[i] = good
@@ -238,7 +248,9 @@ class Transfer:
         promote: bool = True,
         lossy: set[str] | None = None,
         native: int | None = None,
+        spec: ModelSpec | None = None,
     ) -> list[bool]:
+        spec = spec or self.spec
         status = ["missing"] * len(keys)
         sizes_read = [0] * len(keys)
         owned: dict[str, Value] = {}
@@ -248,7 +260,7 @@ class Transfer:
         # (recycled) host buffer now costs less than reading every chunk over the network again.
         keep_copy = staged is not None or (promote and upper and tier.backend.remote)
         verify = not tier.backend.trusted
-        dtype = self.spec.torch_dtype
+        dtype = spec.torch_dtype
 
         def reader(run: list[int]) -> Callable[[], Awaitable[list[bool]]]:
             def sink(j: int, view: memoryview) -> None:
@@ -257,9 +269,9 @@ class Transfer:
                     src = codec.decode_native(
                         view,
                         key=keys[i],
-                        fingerprint=self.fingerprint,
+                        fingerprint=spec.fingerprint,
                         dtype=dtype,
-                        shape=self.spec.kv_shape(tokens[i]),
+                        shape=spec.kv_shape(tokens[i]),
                         verify=verify,
                     )
                     if deliver is not None:
@@ -278,7 +290,7 @@ class Transfer:
             # before it allocates or receives it (a forged length is a miss, not hundreds of MiB).
             return lambda: tier.backend.read_bounded([keys[i] for i in run], sink, [sizes[i] for i in run])
 
-        sizes = [self._chunk_bytes(n) for n in tokens]
+        sizes = [self._chunk_bytes(n, spec) for n in tokens]
         await self.io.gather([reader(run) for run in batches(sizes, self.batch_bytes)])
 
         missing = [keys[i] for i, s in enumerate(status) if s == "missing"]

@@ -115,6 +115,10 @@ _STORE_COUNTERS = {  # chunk-layer counter -> (family, help)
         "agentstate_layout_conversions",
         "Chunks stored in an engine's own layout (vLLM's CPU blocks) converted to canonical KV for another reader.",
     ),
+    "chunks_resliced": (
+        "agentstate_chunks_resliced",
+        "Chunks another TP size stored, read and kept under this rank's slice of heads (agentstate.slices).",
+    ),
     "kv_events_published": ("agentstate_kv_events_published", "KV events (kv_events) published for routers."),
     "kv_events_dropped": (
         "agentstate_kv_events_dropped",
