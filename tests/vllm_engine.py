@@ -6,7 +6,7 @@ JOB: {"model": dir, "connector": extra config dict or null, "chunked_prefill": b
                    "salt": cache_salt or null}, ...], ...], "reset_between_rounds": true,
       "connector_class": optional (e.g. "ExampleConnector"), "kv_load_failure_policy": optional,
       "probe": optional path of a safetensors file {"kv": canonical [layers, 2, n, heads, dim]},
-      "num_blocks": optional KV pool size in blocks, "batched": every round in one generate call,
+      "num_blocks": optional KV pool size in blocks, "tp": optional tensor parallel size, "batched": every round in one generate call,
       "sleep": optional seconds to wait before each round (a tool pause: the store's writes land),
       "round_metrics": true to read the metrics after every round,
       "hold": optional {"ready": path, "release": path}: after the rounds, write OUT's rounds to
@@ -180,6 +180,11 @@ def run(job: dict) -> dict:
         kwargs["kv_transfer_config"] = cfg
     if job.get("kv_events"):  # the engine's own KV events (its GPU blocks), beside the connector's
         kwargs["kv_events_config"] = job["kv_events"]
+    if job.get("tp"):  # tensor parallel ranks: one worker process each (gloo and shared memory on CPU)
+        kwargs["tensor_parallel_size"] = job["tp"]
+        kwargs["distributed_executor_backend"] = "mp"
+        # vLLM binds each rank's OpenMP threads to a NUMA node of its own by default: one node here
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if job.get("num_blocks"):  # a small KV pool: requests get preempted
         kwargs["num_gpu_blocks_override"] = job["num_blocks"]
     if job.get("probe"):

@@ -19,7 +19,7 @@ from agentstate.adapters.runtime import AdapterSettings
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, InvalidArgumentError
 from agentstate import edges
-from agentstate.keys import chunk_keys, namespace_for, token_array, validate_id
+from agentstate.keys import chunk_keys, namespace_for, respec, token_array, validate_id
 from agentstate.spec import DTYPE_NAMES, ModelSpec
 
 if TYPE_CHECKING:
@@ -70,8 +70,12 @@ class VllmSettings(AdapterSettings):
         return settings, rest
 
 
-def model_spec(vllm_config: VllmConfig, settings: VllmSettings) -> ModelSpec:
-    """The ModelSpec of this engine's KV (per rank): the same model gives the same spec in every engine."""
+def model_spec(vllm_config: VllmConfig, settings: VllmSettings, rank: int | None = None) -> ModelSpec:
+    """The ModelSpec of this engine's KV at TP rank `rank` (default: this process's): the same model
+    gives the same spec in every engine, and rank r of TP n the r-th of n slices of its heads
+    (`agentstate.slices`: what crosses TP sizes). Where TP exceeds the KV heads vLLM replicates each
+    head over `tp / heads` ranks: a rank's slice is then that of rank `r * heads // tp` of TP `heads`,
+    the same bytes under the same key as an engine at TP `heads` stores."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype != "auto":
@@ -81,12 +85,22 @@ def model_spec(vllm_config: VllmConfig, settings: VllmSettings) -> ModelSpec:
     if mc.dtype not in DTYPE_NAMES:
         raise InvalidArgumentError(f"model dtype {mc.dtype} cannot be stored")
     tp = pc.tensor_parallel_size
-    rank = pc.rank % tp if tp > 1 else 0
-    return ModelSpec(
+    if rank is None:
+        rank = pc.rank % tp if tp > 1 else 0
+    whole = ModelSpec(
         model_id=settings.model_id or str(mc.model), revision=settings.revision or mc.revision or "main",
-        dtype=DTYPE_NAMES[mc.dtype], num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
-        head_dim=mc.get_head_size(), tp_rank=rank, tp_size=tp,
+        dtype=DTYPE_NAMES[mc.dtype], num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_total_num_kv_heads(),
+        head_dim=mc.get_head_size(),
     )  # fmt: skip
+    heads = whole.num_kv_heads
+    if tp > heads and tp % heads == 0:  # replicated heads
+        return whole.slicing(heads, rank * heads // tp)
+    if heads % tp:
+        raise InvalidArgumentError(f"{heads} KV heads do not split over tensor_parallel_size {tp}")
+    spec = whole.slicing(tp, rank)
+    if spec.num_kv_heads != mc.get_num_kv_heads(pc):
+        raise InvalidArgumentError(f"vLLM holds {mc.get_num_kv_heads(pc)} KV heads per rank, not {spec.num_kv_heads}")
+    return spec
 
 
 def data_dir(vllm_config: VllmConfig, settings: VllmSettings, rank: int) -> Path:
@@ -105,14 +119,14 @@ def engine_token(vllm_config: VllmConfig) -> str:
     return f"{getattr(kv, 'engine_id', None) or ''}/{getattr(vllm_config, 'instance_id', '') or ''}"
 
 
-def _one_rank(vllm_config: VllmConfig) -> None:
+def _one_stage(vllm_config: VllmConfig) -> None:
     pc = vllm_config.parallel_config
-    if pc.tensor_parallel_size * pc.pipeline_parallel_size > 1:
-        # Chunk keys carry the rank's fingerprint: the scheduler would have to compute and plan
-        # them per rank. Not built yet; refused at startup rather than silently never hitting.
+    if pc.pipeline_parallel_size > 1:
+        # A stage holds some layers: its chunks would need a layer range in their keys, as a TP
+        # rank's name its heads. Not built yet; refused at startup rather than silently never hitting.
         raise InvalidArgumentError(
-            f"the agentstate vLLM connector supports one rank so far (tensor_parallel_size"
-            f" {pc.tensor_parallel_size}, pipeline_parallel_size {pc.pipeline_parallel_size}; both must be 1)"
+            f"the agentstate vLLM connector does not support pipeline parallelism yet (pipeline_parallel_size"
+            f" {pc.pipeline_parallel_size}; tensor parallelism is supported)"
         )
 
 
@@ -124,9 +138,11 @@ class ConnectorConfig:
     overrides: dict[str, Any]  # StoreConfig keys of the extra config (chunk_tokens filled in)
     store: StoreConfig
     block_size: int
-    spec: ModelSpec
+    spec: ModelSpec  # this process's TP rank's (the scheduler's: rank 0's)
+    planned: ModelSpec  # rank 0's: the keys of the scheduler's plans (`own` turns them into a rank's)
     engine: str  # engine_token: names the lookup channel
-    ranks: int  # tensor x pipeline parallel ranks (1 so far)
+    ranks: int  # tensor parallel ranks
+    rank: int  # this process's TP rank (the scheduler's: 0)
 
     @property
     def chunk_tokens(self) -> int:
@@ -135,7 +151,7 @@ class ConnectorConfig:
     @classmethod
     def of(cls, vllm_config: VllmConfig) -> ConnectorConfig:
         """Read and check the engine's kv_connector_extra_config; InvalidArgumentError for a bad one."""
-        _one_rank(vllm_config)
+        _one_stage(vllm_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         settings, overrides = VllmSettings.from_extra(dict(extra or {}))
         StoreConfig(path=settings.path, **overrides)  # checks every key now
@@ -150,7 +166,20 @@ class ConnectorConfig:
             )
         pc = vllm_config.parallel_config
         return cls(settings, overrides, store, block_size, model_spec(vllm_config, settings),
-                   engine_token(vllm_config), pc.tensor_parallel_size * pc.pipeline_parallel_size)  # fmt: skip
+                   model_spec(vllm_config, settings, 0), engine_token(vllm_config), pc.tensor_parallel_size,
+                   pc.rank % pc.tensor_parallel_size)  # fmt: skip
+
+    def own(self, keys: list[str]) -> list[str]:
+        """Keys of the scheduler's plans (rank 0's slice of heads) as this rank's: the same chunks, its heads."""
+        if self.planned == self.spec:
+            return keys
+        return [respec(k, self.planned.fingerprint, self.spec.fingerprint) for k in keys]
+
+    def planned_form(self, keys: list[str]) -> list[str]:
+        """This rank's keys as the scheduler's plans name them (`own`'s inverse)."""
+        if self.planned == self.spec:
+            return keys
+        return [respec(k, self.spec.fingerprint, self.planned.fingerprint) for k in keys]
 
     def keys(self, tokens: list[int], tenant: str) -> list[str]:
         """The chunk keys of `tokens`' whole chunks in `tenant`'s namespace, as the store computes them."""
@@ -159,7 +188,8 @@ class ConnectorConfig:
             salt = None if self.store.shared_namespace or tenant == self.store.tenant else tenant
             return scheme.keys(token_array(tokens), self.spec.fingerprint, self.chunk_tokens, argument, salt)
         ns = namespace_for(tenant, self.store.shared_namespace)
-        return list(chunk_keys(tokens, namespace=ns, fingerprint=self.spec.fingerprint, chunk_tokens=self.chunk_tokens))
+        return list(chunk_keys(tokens, namespace=ns, fingerprint=self.spec.fingerprint, chunk_tokens=self.chunk_tokens,
+                               chain=self.spec.model_fingerprint))  # fmt: skip
 
     def tenant_of(self, salt: str | None) -> str:
         """A request's tenant: its cache_salt (hashed when it is not a valid id), else the configured one."""

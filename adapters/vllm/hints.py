@@ -98,7 +98,7 @@ class Hints:
         so no hold is placed (the hold of its paused hint, if any, lasts until its end)."""
         c = self.config.chunk_tokens
         keys = self.config.keys(job.tokens, job.tenant)
-        stored = await view.chunks.lookup(keys)
+        stored = await view.lookup_keys(keys)
         first = job.local // c
         if stored <= first:
             self.counts.add(hints_skipped=1)  # vLLM's own cache holds all of it: nothing to bring up

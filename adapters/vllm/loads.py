@@ -81,9 +81,12 @@ class Loads:
             return set()
         usage: Counter[str] = Counter()
         t1 = time.perf_counter()
-        with store.chunks.pinned(job.keys):
-            await store.chunks.discover(job.keys)
-            await store.chunks.read(job.keys, job.spans, target, usage=usage, stored=job.stored)
+        keys = self.config.own(job.keys)
+        if job.tails:  # a session's tail: this rank's own value
+            keys[-1] = self.config.own([job.tails[self.config.rank]])[0]
+        with store.chunks.pinned(keys):
+            await store.chunks.discover(keys)
+            await store.chunks.read(keys, job.spans, target, usage=usage, stored=job.stored)
         done = set(target.done)
         read = {k: v for k, v in usage.items() if k.startswith(BYTES_READ) and v}
         self.counts.add(**read, load_wait_ms=round(1000 * (t1 - t0)),

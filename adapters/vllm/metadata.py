@@ -30,6 +30,8 @@ class LoadJob:
     tenant: str = ""
     stored: list[int] | None = None
     """tokens each chunk holds, where a span takes only its first ones (a session matched part way)"""
+    tails: list[str] | None = None
+    """at TP > 1, when the last key is a session's tail: each rank's own (a rank's tail is its own value)"""
 
 
 @dataclass

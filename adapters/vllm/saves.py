@@ -139,7 +139,7 @@ class Saves:
         try:
             try:
                 store, blocks = self._attached()
-                present = await self._known(store, job.keys)
+                present = await self._known(store, self.config.own(job.keys))
                 todo = [j for j, known in zip(job.chunks, present) if not known]
                 chunks: dict[int, torch.Tensor | NativeKV] = {}
                 if todo:

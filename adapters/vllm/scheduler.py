@@ -193,12 +193,14 @@ class SchedulerSide:
         hit = min(int(r.get("chunks", 0)) for r in replies) * c
         plan: dict[str, Any] = {"keys": keys, "chunks": hit // c}
         sess = [r.get("session") for r in replies]
-        if session is not None and all(sess) and len({s["tail_key"] for s in sess}) == 1:
-            n = min(s["tokens"] for s in sess)
-            full = min(len(s["chunk_keys"]) for s in sess)
+        if session is not None and all(sess) and _agree(sess):
+            # every TP rank holds the session alike (its snapshot of the same turn); a tail is each rank's own value
+            n, full = sess[0]["tokens"], len(sess[0]["chunk_keys"])
+            tails = [s["tail_key"] for s in sess]
             if n > hit and sess[0]["chunk_tokens"] == c:
                 hit = min(n, limit)
-                plan = {"keys": sess[0]["chunk_keys"][:full], "chunks": full, "tail_key": sess[0]["tail_key"],
+                plan = {"keys": sess[0]["chunk_keys"], "chunks": full, "tail_key": tails[0],
+                        "tails": tails if len(set(tails)) > 1 else None,
                         "tail_tokens": n - full * c, "tail_stored": sess[0].get("tail_stored")}  # fmt: skip
         if hit <= num_computed_tokens:
             return 0, False
@@ -242,11 +244,13 @@ class SchedulerSide:
         keys = list(plan["keys"][c0:n_full])
         spans = [(i * c, c) for i in range(c0, n_full)]
         stored = [c] * len(keys)
+        tails = None
         if plan.get("tail_key") and end > n_full * c:
             keys.append(plan["tail_key"])
             spans.append((n_full * c, plan["tail_tokens"]))
             stored.append(int(plan.get("tail_stored") or plan["tail_tokens"]))
-        return LoadJob(req_id, keys, spans, block_ids, first, end, tenant, stored)
+            tails = plan.get("tails")
+        return LoadJob(req_id, keys, spans, block_ids, first, end, tenant, stored, tails)
 
     # -- each step ---------------------------------------------------------------------------------
 
@@ -373,3 +377,9 @@ class SchedulerSide:
     def get_kv_connector_stats(self) -> AgentStateStats | None:
         """This interval's counts of the scheduler (hints_invalid); vLLM sums them with the workers'."""
         return self.counts.take()
+
+
+def _agree(sessions: list[dict[str, Any]]) -> bool:
+    """Every TP rank's lookup found the same session: the same tokens, chunks (named as rank 0's) and
+    tail length. A rank whose snapshot of the last turn failed holds an older one: no session hit."""
+    return len({(s["tokens"], tuple(s["chunk_keys"]), s.get("tail_stored"), s["chunk_tokens"]) for s in sessions}) == 1

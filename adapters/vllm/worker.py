@@ -138,8 +138,8 @@ class WorkerSide:
         store = self.ready()
         if request.get("op") == "hint":
             return self.hints.arrived(request)
-        keys = [str(k) for k in request.get("keys", [])]
-        reply: dict[str, Any] = {"chunks": await store.chunks.lookup(keys) if keys else 0}
+        keys = self.config.own([str(k) for k in request.get("keys", [])])
+        reply: dict[str, Any] = {"chunks": await store.lookup_keys(keys) if keys else 0}
         sid = request.get("session")
         if sid:
             reply["session"] = await self._session_hit(store.for_tenant(request["tenant"]), sid, request["tokens"])
@@ -174,6 +174,7 @@ class WorkerSide:
             part, held = manifest.tail_key, manifest.tail_tokens
         if not all(await view.chunks.present([*full, *([part] if part else [])])):
             return None
+        full, part = self.config.planned_form(full), part and self.config.planned_form([part])[0]
         return {"tokens": n, "chunk_keys": full, "tail_key": part, "tail_stored": held, "chunk_tokens": c}
 
     # -- each step ---------------------------------------------------------------------------------
