@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from agentstate import slices
 from agentstate.catalog import Committed, named_keys
 from agentstate.chunks import SweepCursor
 from agentstate.errors import (
@@ -148,14 +149,16 @@ class Sessions:
             manifest.last_hit_at = pending
         return manifest
 
-    async def _manifest(self, session_id: str) -> SessionManifest:
+    async def _manifest(self, session_id: str, *, sliced: bool = False) -> SessionManifest:
+        """The session's manifest; SpecMismatchError when another spec stored it, unless `sliced` and
+        that spec is a slicing of this model whose heads hold this rank's (`slices.holder`)."""
         validate_id(session_id)
         manifest = await self.catalog.get(self.tenant, session_id)
         if manifest is not None:
             manifest = self._hit_known(manifest)
         if manifest is None or manifest.expired():
             raise SessionNotFoundError(f"no session {session_id!r}")
-        if manifest.fingerprint != self.fingerprint:
+        if manifest.fingerprint != self.fingerprint and not (sliced and slices.holder(self.spec, manifest.fingerprint)):
             raise SpecMismatchError(
                 f"session {session_id!r} was stored for spec {manifest.fingerprint}, this store serves {self.fingerprint}"
             )
@@ -173,7 +176,8 @@ class Sessions:
         room for the whole session) when given; else in a fresh huge-page host tensor. Chunks
         this host has never seen (another host wrote the session) are found in the remote tiers.
         """
-        manifest = await self._manifest(session_id)
+        manifest = await self._manifest(session_id, sliced=True)
+        source = slices.holder(self.spec, manifest.fingerprint)  # stored at another TP size: narrowed
         kv = None
         if into is None:
             kv = self.chunks.host_tensor(self.spec.kv_shape(manifest.num_tokens), self.spec.torch_dtype)
@@ -190,10 +194,13 @@ class Sessions:
             # the manifest's chunk size, not this store's: a directory reopened with another
             # chunk_tokens still resumes what it holds
             spans = self.scope.spans(len(manifest.chunk_keys), manifest.num_tokens, manifest.chunk_tokens)
-            ok = await self.chunks.read(keys, spans, target, usage=usage, lossy=lossy)
+            if source is None:
+                ok = await self.chunks.read(keys, spans, target, usage=usage, lossy=lossy)
+            else:
+                ok = await slices.read_into(self.chunks, source, self.spec, keys, spans, target, lossy)
         target.synchronize()
         lead = leading(ok)
-        if manifest.chunk_tokens == self.scope.chunk_tokens:
+        if manifest.chunk_tokens == self.scope.chunk_tokens and source is None:
             self.chunks.learn(manifest.chunk_keys[: min(lead, len(manifest.chunk_keys))], manifest.tokens)
         restored = manifest.num_tokens if lead == len(keys) else lead * manifest.chunk_tokens
         usage.update(resumes=1, tokens_read=restored, tokens_recomputed=manifest.num_tokens - restored)

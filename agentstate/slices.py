@@ -23,13 +23,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from agentstate.chunks.transfer import place
 from agentstate.keys import respec
 from agentstate.spec import ModelSpec
 
 if TYPE_CHECKING:
     import torch
 
-    from agentstate.chunks import ChunkStore
+    from agentstate.chunks import ChunkStore, Span
+    from agentstate.target import KVTarget
 
 log = logging.getLogger("agentstate.slices")
 
@@ -117,3 +119,31 @@ async def gather(chunks: ChunkStore, spec: ModelSpec, sources: Sequence[Source],
     if n < len(sources):
         log.warning("%d of %d chunks stored at another TP size did not arrive intact", len(sources) - n, len(sources))
     return out[:n]
+
+
+def holder(spec: ModelSpec, fingerprint: str) -> ModelSpec | None:
+    """The slicing of `spec`'s model named `fingerprint` if one slice of it holds every head of `spec`'s
+    (the whole model, or a wider slice: what a session stored at a smaller TP size gives this rank),
+    else None. A session is one manifest per writer: slices of several writers are never assembled."""
+    if fingerprint == spec.fingerprint:
+        return None
+    for parts in slicings(spec):
+        if len(parts) == 1 and parts[0].fingerprint == fingerprint:
+            return parts[0]
+    return None
+
+
+async def read_into(
+    chunks: ChunkStore, source: ModelSpec, spec: ModelSpec, keys: Sequence[str], spans: Sequence[Span],
+    target: KVTarget, lossy: set[str] | None = None,
+) -> list[bool]:  # fmt: skip
+    """Restore `keys` (values of `source`, a slicing holding `spec`'s heads) into `target` at `spans`,
+    `spec`'s heads only: a session's chunks and tail stored at another TP size. Keys must be pinned."""
+    first, end = spec.head_range
+    a = source.head_range[0]
+
+    def deliver(i: int, kv: torch.Tensor) -> None:
+        start, n = spans[i]
+        place(target, start, n, kv[:, :, :n, first - a : end - a])
+
+    return await chunks.read_as(source, keys, [n for _, n in spans], deliver, lossy)

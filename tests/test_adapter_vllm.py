@@ -273,6 +273,22 @@ def test_pipeline_parallelism_is_refused_at_startup(tmp_path: Path, tp: int, pp:
     assert not (tmp_path / "data").exists()
 
 
+def test_a_shared_catalog_at_tp2_is_refused_at_startup(tmp_path: Path) -> None:
+    """Each rank snapshots its heads of a session under the session's one name: in one catalog they
+    would replace each other. Refused before anything opens; a TP 2 engine with per-rank catalogs
+    (tests/test_adapter_vllm_tp.py) and a TP 1 engine with a shared catalog both start."""
+    from agentstate.adapters.vllm.config import ConnectorConfig
+    from agentstate.errors import InvalidArgumentError
+    from vllm.config import KVTransferConfig, ParallelConfig, VllmConfig
+
+    extra = {"path": str(tmp_path / "data"), "catalog_url": "redis://127.0.0.1:1/0"}
+    kv = KVTransferConfig(kv_connector="AgentStateConnector", kv_role="kv_both",
+                          kv_connector_module_path="agentstate.adapters.vllm", kv_connector_extra_config=extra)  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match="shared catalog"):
+        ConnectorConfig.of(VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=2), kv_transfer_config=kv))
+    assert not (tmp_path / "data").exists()
+
+
 @pytest.mark.gpu
 def test_flash_layouts_round_trip() -> None:
     if not torch.cuda.is_available():

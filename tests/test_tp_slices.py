@@ -139,3 +139,33 @@ async def test_another_model_or_tenant_never_hits(opener) -> None:  # type: igno
         mine = await stack.enter_async_context(opener(WHOLE.slicing(2, 0), "tp0-2"))
         assert (await mine.for_tenant("someone-else").match(tokens)).tokens == 0
         assert (await mine.match(tokens)).tokens == 2 * C
+
+
+async def test_a_session_stored_at_tp1_resumes_at_tp2_each_rank_its_heads(tmp_path: Path, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """One catalog (Redis) and one Redis tier for every engine: a session a TP 1 engine stored resumes
+    on each rank of a TP 2 engine, its heads bit for bit, tail included; a rank's own session is not
+    served to TP 1 (one writer's slice cannot be assembled): a typed error, nothing changed."""
+    from agentstate.errors import SpecMismatchError
+
+    prefix = f"tps-{uuid.uuid4().hex[:8]}:"
+
+    def open_rank(spec: ModelSpec, name: str):  # type: ignore[no-untyped-def]
+        tiers = [TierConfig(kind="host", capacity_bytes=8 << 20), TierConfig(kind="lmdb"),
+                 TierConfig(kind="redis", url=redis_server.url, prefix=prefix)]  # fmt: skip
+        cfg = StoreConfig(path=tmp_path / name, chunk_tokens=C, tiers=tiers, lmdb_map_size=64 << 20,
+                          catalog_url=redis_server.url, catalog_prefix=prefix)  # fmt: skip
+        return StateStore.open(cfg, spec)
+
+    tokens, kv = random_tokens(2 * C + 9, seed=6), random_kv(WHOLE, 2 * C + 9, seed=6)
+    async with AsyncExitStack() as stack:
+        whole = await stack.enter_async_context(open_rank(WHOLE, "tp1"))
+        await whole.snapshot("agent-1", tokens, kv, {"turn": 1})
+        for rank in range(2):
+            store = await stack.enter_async_context(open_rank(WHOLE.slicing(2, rank), f"tp{rank}-2"))
+            got = await store.resume("agent-1")
+            assert got.tokens == tokens and got.exact and bits_equal(got.kv, heads(kv, store.spec))
+        await store.snapshot("agent-2", tokens, heads(kv, store.spec).contiguous(), {"turn": 1})
+        with pytest.raises(SpecMismatchError):
+            await whole.resume("agent-2")
+        assert bits_equal((await store.resume("agent-2")).kv, heads(kv, store.spec))
+        assert bits_equal((await whole.resume("agent-1")).kv, kv)

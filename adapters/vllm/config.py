@@ -160,6 +160,12 @@ class ConnectorConfig:
             c = DEFAULT_CHUNK_TOKENS
             overrides["chunk_tokens"] = c if c % block_size == 0 else block_size
         store = StoreConfig(path=settings.path, **overrides)
+        if vllm_config.parallel_config.tensor_parallel_size > 1 and store.catalog_url is not None:
+            # each rank snapshots a session's own slice of heads under the session's one name
+            raise InvalidArgumentError(
+                "a shared catalog (catalog_url) with tensor_parallel_size > 1 is not supported yet: each rank keeps"
+                " its sessions in its own directory's catalog; prefixes are shared through the shared tiers"
+            )
         if store.chunk_tokens % block_size:
             raise InvalidArgumentError(
                 f"chunk_tokens {store.chunk_tokens} must be a multiple of the engine's block size {block_size}"

@@ -478,11 +478,13 @@ class ChunkStore:
         return await self._transfer.read(keys, spans, target, staged=staged, usage=usage, lossy=lossy, stored=stored)
 
     async def read_as(
-        self, spec: ModelSpec, keys: Sequence[str], tokens: Sequence[int], deliver: Callable[[int, torch.Tensor], None]
+        self, spec: ModelSpec, keys: Sequence[str], tokens: Sequence[int], deliver: Callable[[int, torch.Tensor], None],
+        lossy: set[str] | None = None,
     ) -> list[bool]:
         """Read chunks another slice of this model's heads stored (`spec`, `agentstate.slices`):
-        `deliver(i, canonical KV)` in a pool thread, a view valid during the call. Keys must be pinned."""
-        return await self._transfer.read_as(spec, keys, tokens, deliver)
+        `deliver(i, canonical KV)` in a pool thread, a view valid during the call; `lossy` collects the
+        keys whose bytes are a lossy tier's reconstruction. Keys must be pinned."""
+        return await self._transfer.read_as(spec, keys, tokens, deliver, lossy)
 
     @property
     def read_only(self) -> bool:

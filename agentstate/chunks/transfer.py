@@ -139,12 +139,14 @@ class Transfer:
         return ok
 
     async def read_as(
-        self, spec: ModelSpec, keys: Sequence[str], tokens: Sequence[int], deliver: Callable[[int, torch.Tensor], None]
+        self, spec: ModelSpec, keys: Sequence[str], tokens: Sequence[int], deliver: Callable[[int, torch.Tensor], None],
+        lossy: set[str] | None = None,
     ) -> list[bool]:
         """Read chunks another slice of this model's heads stored (`spec`: that slice's) and hand
         each to `deliver(i, canonical KV)` in a pool thread, a view valid only during the call; never
         promoted (the reader stores what it makes of them under its own keys)."""
-        return await self._read(keys, tokens, lambda i, src: deliver(i, self._as(None, src)), promote=False, spec=spec)  # type: ignore[arg-type]
+        return await self._read(keys, tokens, lambda i, src: deliver(i, self._as(None, src)),  # type: ignore[arg-type]
+                                promote=False, spec=spec, lossy=lossy)  # fmt: skip
 
     def _as(self, native: int | None, src: torch.Tensor | NativeKV) -> torch.Tensor | NativeKV:
         """`src` as the target takes it: its own layout as it is, any other converted to canonical
