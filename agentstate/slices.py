@@ -56,10 +56,11 @@ def slicings(spec: ModelSpec) -> list[list[ModelSpec]]:
 
 async def find(chunks: ChunkStore, spec: ModelSpec, keys: Sequence[str], start: int) -> list[Source]:
     """For `keys[start:]` (chunk keys of `spec`'s slicing that no tier holds), the leading run that
-    another slicing holds, the fewest bytes first. Asks about the first missing chunk alone before the
-    rest: a store whose engines all run one TP size pays one small lookup per miss."""
+    another slicing holds, the fewest bytes first. Only a shared (remote) tier can hold them: a data
+    directory is one spec's. Asks about the first missing chunk alone before the rest: a fleet of one
+    TP size pays one small lookup per miss."""
     families = slicings(spec)
-    if start >= len(keys) or not families:
+    if start >= len(keys) or not families or not chunks.shared:
         return []
     found = await _sources(chunks, spec, families, keys, start, start + 1)
     if not found:

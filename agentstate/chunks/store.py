@@ -490,6 +490,12 @@ class ChunkStore:
     def read_only(self) -> bool:
         return self._read_only
 
+    @property
+    def shared(self) -> bool:
+        """Some tier is shared with other processes (remote): the only place chunks of another spec
+        (another TP size's slices) can be, a data directory being one spec's (`agentstate.slices`)."""
+        return any(t.backend.remote for t in self._manager.tiers)
+
     def count(self, **amounts: int) -> None:
         """Add to this store's own counters (`counters()`)."""
         self._counts.update(amounts)
