@@ -17,6 +17,7 @@ with `cache.batch_select_indices` and store each row as its own session.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -25,6 +26,7 @@ from pydantic import ValidationError
 from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
+from agentstate.adapters import transformers_state as hybrid
 from agentstate.errors import InvalidArgumentError, KVShapeError, SpecMismatchError
 from agentstate.manifest import SessionManifest
 from agentstate.spec import DTYPE_NAMES, DTYPES, ModelSpec
@@ -33,7 +35,7 @@ from agentstate.store import StateStore
 ModelOrConfig = PreTrainedModel | PreTrainedConfig
 Tokens = Sequence[int] | torch.Tensor
 
-__all__ = ["Prefix", "Resumed", "UnsupportedCacheError", "cache_to_kv", "kv_to_cache", "load_prefix", "put_prefix",
+__all__ = ["Prefix", "Resumed", "UnsupportedCacheError", "cache_to_kv", "kv_to_cache", "load_prefix", "prefill", "put_prefix",
            "resume", "snapshot", "spec_for"]  # fmt: skip
 
 
@@ -90,6 +92,28 @@ def _model_dtype(model_or_config: ModelOrConfig) -> torch.dtype | None:
     return DTYPES.get(dtype) if isinstance(dtype, str) else dtype
 
 
+def _hybrid(config: PreTrainedConfig) -> bool:
+    return set(get_layer_types_and_kwargs(config)[0]) != {"full_attention"}
+
+
+_SHAPES: weakref.WeakKeyDictionary[PreTrainedModel, hybrid.CacheShape] = weakref.WeakKeyDictionary()
+
+
+def _cache_shape(model_or_config: ModelOrConfig, cache: DynamicCache | None) -> hybrid.CacheShape:
+    """A hybrid model's cache shape: from `cache`, else from one token through the model (once per
+    model: the sizes of linear-attention states are known only to the layers that make them)."""
+    if cache is not None:
+        return hybrid.shape_of(cache)
+    if not isinstance(model_or_config, PreTrainedModel):
+        raise UnsupportedCacheError("a hybrid model's state shapes come from its layers: pass the model, or a cache")
+    shape = _SHAPES.get(model_or_config)
+    if shape is None:
+        with torch.no_grad():
+            out = model_or_config(torch.zeros(1, 1, dtype=torch.long, device=model_or_config.device), use_cache=True)
+        shape = _SHAPES[model_or_config] = hybrid.shape_of(getattr(out, "cache", None) or out.past_key_values)
+    return shape
+
+
 def spec_for(
     model_or_config: ModelOrConfig,
     *,
@@ -98,8 +122,13 @@ def spec_for(
     dtype: torch.dtype | str | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
+    cache: DynamicCache | None = None,
 ) -> ModelSpec:
     """The ModelSpec of a model's KV: its shape from the config, its dtype from the weights.
+
+    A hybrid model (sliding-window, Mamba, GatedDeltaNet or short-conv layers beside full attention):
+    the spec's KV is its full-attention layers' and its `state` the rest (`transformers_state`), whose
+    shapes come from a cache (`cache`, or one token through the model).
 
     `model_id` defaults to the checkpoint the config was loaded from; a config built in code names
     none, and two models of one shape must never share state, so then it must be given. The
@@ -107,7 +136,9 @@ def spec_for(
     holds `num_key_value_heads / tp_size` heads.
     """
     config = _text_config(model_or_config)
-    _check_full_attention(config)
+    shape = _cache_shape(model_or_config, cache) if _hybrid(config) else None
+    if shape is not None and tp_size != 1:
+        raise UnsupportedCacheError("a hybrid model's state is stored at tp_size 1 only so far")
     model_id = model_id or getattr(config, "_name_or_path", None) or None
     if not model_id:
         raise InvalidArgumentError("this config names no checkpoint: pass model_id= (it keys every stored chunk)")
@@ -117,12 +148,15 @@ def spec_for(
     if torch_dtype not in DTYPE_NAMES:
         raise InvalidArgumentError(f"KV dtype {dtype or torch_dtype} unknown or not given: pass dtype=")
     layers, kv_heads, head_dim = _shape(config)
+    if shape is not None:
+        layers, kv_heads, head_dim = len(shape.kv_layers), shape.kv_heads, shape.head_dim
     if tp_size < 1 or kv_heads % tp_size:
         raise InvalidArgumentError(f"{kv_heads} KV heads do not split over tp_size={tp_size}")
     try:
         return ModelSpec(
             model_id=model_id, revision=revision, dtype=DTYPE_NAMES[torch_dtype], num_layers=layers,
             num_kv_heads=kv_heads // tp_size, head_dim=head_dim, tp_rank=tp_rank, tp_size=tp_size,
+            state=shape.state if shape is not None else None,
         )  # fmt: skip
     except ValidationError as exc:
         raise InvalidArgumentError(f"no valid ModelSpec for this model: {exc}") from None
@@ -131,7 +165,12 @@ def spec_for(
 def _check_compatible(spec: ModelSpec, model: PreTrainedModel) -> None:
     """Refuse, before any IO, to load a store's state into a model of another shape or dtype."""
     config = _text_config(model)
-    _check_full_attention(config)
+    if _hybrid(config) or spec.state is not None:
+        shape = _cache_shape(model, None) if _hybrid(config) else None
+        have_h = (len(shape.kv_layers), shape.kv_heads, shape.head_dim, shape.state) if shape else None
+        if have_h != (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.state):
+            raise SpecMismatchError("the model's layers (full attention, sliding, linear state) are not the store's spec's")
+        return
     layers, kv_heads, head_dim = _shape(config)
     have = (layers, kv_heads // spec.tp_size, head_dim, model.dtype)
     want = (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.torch_dtype)
@@ -260,7 +299,15 @@ async def snapshot(
     """Durably store a session whose `cache` covers exactly `tokens` (the ids fed to the model so far).
 
     A token sampled but not yet fed is not in the cache: keep it in `state` to continue from it.
+    A hybrid model's state (its sliding windows, SSM and conv states) is stored with it.
     """
+    if store.spec.state is not None:
+        kv, carried, seen = hybrid.split(cache, store.spec)
+        toks = _token_list(tokens)
+        if seen != len(toks):
+            raise KVShapeError(f"cache has seen {seen} tokens, {len(toks)} token ids given: they must be the same tokens")
+        return await store.snapshot(session_id, toks, kv, state, ttl_seconds=ttl_seconds, pinned=pinned,
+                                    model_state=carried)  # fmt: skip
     toks = _covering(store, tokens, cache)
     kv = cache_to_kv(cache, store.spec)
     return await store.snapshot(session_id, toks, kv, state, ttl_seconds=ttl_seconds, pinned=pinned)
@@ -274,8 +321,18 @@ async def resume(store: StateStore, session_id: str, model: PreTrainedModel, *, 
     shortens `restored_tokens`; recompute the rest from `tokens`.
     """
     _check_compatible(store.spec, model)
+    if store.spec.state is not None and leave_last:
+        raise InvalidArgumentError(
+            "a hybrid model's state is valid after the last token only: resume whole and feed the next token"
+        )
     result = await store.resume(session_id)
     assert result.kv is not None  # resume without `into` always returns the tensor
+    if store.spec.state is not None:
+        if result.model_state is None or not result.complete:  # whole or nothing: recompute from tokens
+            return Resumed(tokens=result.tokens, cache=DynamicCache(config=model.config), state=result.state,
+                           restored_tokens=0)  # fmt: skip
+        built = hybrid.build(model.config, store.spec, result.kv, result.model_state, model.device)
+        return Resumed(tokens=result.tokens, cache=built, state=result.state, restored_tokens=result.restored_tokens)
     n = min(result.restored_tokens, len(result.tokens) - 1) if leave_last else result.restored_tokens
     cache = _cache_of(result.kv[:, :, :n], model)
     return Resumed(tokens=result.tokens, cache=cache, state=result.state, restored_tokens=n)
@@ -296,6 +353,8 @@ async def load_prefix(store: StateStore, tokens: Tokens, model: PreTrainedModel,
     """
     _check_compatible(store.spec, model)
     toks = _token_list(tokens)
+    if store.spec.state is not None:
+        return await _load_hybrid(store, toks, model, leave_last)
     chunked = len(toks) // store.chunk_tokens * store.chunk_tokens
     if chunked == 0:
         return Prefix(0, DynamicCache(config=model.config))
@@ -306,8 +365,59 @@ async def load_prefix(store: StateStore, tokens: Tokens, model: PreTrainedModel,
     return Prefix(n, _cache_of(kv[:, :, :n], model))
 
 
+async def _load_hybrid(store: StateStore, toks: list[int], model: PreTrainedModel, leave_last: bool) -> Prefix:
+    """A hybrid model's stored prefix: KV up to the last boundary stored (`prefill`), and the model's
+    state there; nothing when either is missing (the state is the KV's, or the prefix is recomputed)."""
+    usable = toks[: len(toks) - 1] if leave_last else toks
+    chunked = len(usable) // store.chunk_tokens * store.chunk_tokens
+    empty = Prefix(0, DynamicCache(config=model.config))
+    if chunked == 0:
+        return empty
+    kv = store.spec.empty_kv(chunked)
+    n = await store.load(usable[:chunked], kv)
+    carried = await store.prefix_state(usable, n) if n else None
+    if carried is None:
+        return empty
+    return Prefix(n, hybrid.build(model.config, store.spec, kv[:, :, :n], carried, model.device))
+
+
+async def prefill(store: StateStore, tokens: Tokens, model: PreTrainedModel, *, every: int | None = None) -> DynamicCache:
+    """Run `model` over `tokens` and return its cache, storing the shared prefix on the way: a hybrid
+    model's state is valid after one position only, so the prompt is fed in pieces of `every` chunks
+    (default `StoreConfig.state_boundary_chunks`) and each boundary stored with its KV (`put_prefix`),
+    the points a later `load_prefix` resumes from. A dense model is fed in one piece and its whole
+    chunks stored. Starts from the longest stored prefix."""
+    _check_compatible(store.spec, model)
+    toks = _token_list(tokens)
+    found = await load_prefix(store, toks, model)
+    cache, done = found.cache, found.tokens
+    c = store.chunk_tokens
+    step = (every or store.config.state_boundary_chunks) * c if store.spec.state is not None else len(toks)
+    if step <= 0:
+        raise InvalidArgumentError(f"every must be >= 1 chunk, got {every}")
+    with torch.no_grad():
+        while done < len(toks):
+            end = min(len(toks), (done // step + 1) * step)
+            out = model(torch.tensor([toks[done:end]], device=model.device), cache=cache, use_cache=True)
+            cache, done = getattr(out, "cache", None) or out.past_key_values, end
+            if store.spec.state is not None and end % c == 0:
+                await put_prefix(store, toks[:end], cache)
+    if store.spec.state is None:
+        await put_prefix(store, toks, cache)
+    return cache
+
+
 async def put_prefix(store: StateStore, tokens: Tokens, cache: DynamicCache) -> int:
-    """Store a shared prefix (its whole chunks) from a cache covering exactly `tokens`; returns new tokens stored."""
+    """Store a shared prefix (its whole chunks) from a cache covering exactly `tokens`; returns new tokens stored.
+
+    A hybrid model's cache must have seen whole chunks (its state is the boundary a later
+    `load_prefix` resumes from; `prefill` stores one every few chunks)."""
+    if store.spec.state is not None:
+        kv, carried, seen = hybrid.split(cache, store.spec)
+        toks = _token_list(tokens)
+        if seen != len(toks):
+            raise KVShapeError(f"cache has seen {seen} tokens, {len(toks)} token ids given: they must be the same tokens")
+        return await store.put_prefix(toks, kv, model_state=carried)
     toks = _covering(store, tokens, cache)
     chunked = len(toks) // store.chunk_tokens * store.chunk_tokens
     if chunked == 0:

@@ -61,7 +61,9 @@ _FIELDS = struct.Struct("<4sHBB16s5IQI")  # bytes 0..56
 _CHECKSUM = struct.Struct("<Q")  # bytes 56..64
 _FLAGS = struct.Struct("<I")  # bytes 52..56
 
-DTYPE_CODE_NAMES: dict[str, int] = {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "float8_e5m2": 5}
+DTYPE_CODE_NAMES: dict[str, int] = {
+    "float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "float8_e5m2": 5, "uint8": 6,
+}  # fmt: skip
 """The header's dtype codes, by dtype name: known without torch, so that reading a catalog (ls,
 inspect, stats) imports no torch; the torch dtypes are resolved on the first chunk encoded or read."""
 
@@ -199,6 +201,18 @@ def _fields(view: memoryview) -> tuple[str, str, tuple[int, ...], int, int, bool
         raise CorruptDataError(f"chunk is {len(view)} bytes, header says {HEADER_SIZE + payload_len}")
     (checksum,) = _CHECKSUM.unpack_from(view, _FIELDS.size)
     return fp.hex(), name, shape, payload_len, checksum, bool(flags & FLAG_LOSSY), layout
+
+
+def intact(buf: Buffer, *, key: str) -> bool:
+    """Whether `buf` is a whole, undamaged value written under `key`, whatever spec it holds: what
+    tells a value of another spec (a hybrid state, another slice of heads: not this reader's, never
+    to be dropped as damaged) from a damaged one."""
+    view = memoryview(buf)
+    try:
+        _, _, _, _, checksum, _, _ = _fields(view)
+    except CorruptDataError:
+        return False
+    return _checksum(view, view[HEADER_SIZE:], _key_bytes(key)) == checksum
 
 
 def read_header(buf: Buffer) -> ChunkHeader:

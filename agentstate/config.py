@@ -350,6 +350,12 @@ class StoreConfig(BaseSettings):
         description="how shared prefixes are keyed: agentstate's chunk chain, or an engine's own scheme as its"
         " adapter declares it (\"<name>[:<argument>]\"; docs/design.md), so that engine shares them",
     )  # fmt: skip
+    state_boundary_chunks: int = Field(
+        default=4, ge=1, le=1 << 20,
+        description="hybrid models (SSM, linear attention, sliding windows): a prefill that stores a prefix keeps"
+        " the model's state every this many chunks, the points a later prompt can resume from. Smaller: hits"
+        " nearer the prompt's end; larger: fewer state bytes (a boundary holds every SSM layer's state)",
+    )  # fmt: skip
     kv_events: KVEventsConfig | None = Field(
         default=None,
         description="publish what the tiers hold as vLLM KV events over ZMQ (agentstate.events), for routers;"

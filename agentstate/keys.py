@@ -25,6 +25,8 @@ TailKey = NewType("TailKey", str)
 
 CHUNK_PREFIX = "c/"
 TAIL_PREFIX = "t/"
+STATE_SUFFIX = ".state"
+"""Ends a tail-space key holding a hybrid model's state rather than KV (`state_key`)."""
 """Adapters may store keys of their own outside these prefixes, each declaring its key space (`agentstate.edges`)."""
 _ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@-]{0,127}")
 _MAX_TOKEN = 2**63 - 1
@@ -103,6 +105,23 @@ def respec(key: str, fingerprint: str, other: str) -> str:
     if not sep or not rest.startswith(fingerprint + "/"):
         raise InvalidArgumentError(f"key {key[:120]!r} does not belong to spec {fingerprint}")
     return f"{kind}/{other}{rest[len(fingerprint):]}"
+
+
+def boundary_key(chunk_key: str) -> str:
+    """The key of a hybrid model's state after chunk `chunk_key`'s last token (a shared prefix's
+    boundary: `agentstate.model_state`), beside the chunk in its key space."""
+    return chunk_key + STATE_SUFFIX
+
+
+def is_state_key(key: str) -> bool:
+    """`key` holds a hybrid model's state (a session's end, a prefix boundary), not KV."""
+    return key.endswith(STATE_SUFFIX)
+
+
+def state_key(fingerprint: str, tenant: str, session_id: str, version: int) -> TailKey:
+    """The key of one written hybrid state (`agentstate.model_state`): a tail's, marked `.state`, so
+    it lives, is listed and is collected where tails are."""
+    return TailKey(tail_key(fingerprint, tenant, session_id, version) + STATE_SUFFIX)
 
 
 def tail_key(fingerprint: str, tenant: str, session_id: str, version: int, writer: str | None = None) -> TailKey:

@@ -35,6 +35,9 @@ class SessionManifest(BaseModel):
     tokens: list[int]
     chunk_keys: list[ChunkKey]
     tail_key: TailKey | None = None
+    state_key: TailKey | None = None
+    """a hybrid model's state after the last token (`agentstate.model_state`), written with the tail.
+    Left out of the stored form when None, so manifests of dense models read as before everywhere."""
     state: dict[str, Any] = Field(default_factory=dict)
     version: int = Field(ge=1)
     parent: str | None = None
@@ -59,6 +62,8 @@ class SessionManifest(BaseModel):
         data: dict[str, Any] = handler(self)
         if not self.lossy:
             data.pop("lossy", None)
+        if self.state_key is None:
+            data.pop("state_key", None)
         return data
 
     @property
@@ -125,6 +130,12 @@ class ResumeResult(BaseModel):
     restored_tokens: int
     exact: bool
     """every restored byte is the byte stored (no chunk or tail came from a lossy encoding)"""
+    if TYPE_CHECKING:
+        model_state: dict[str, torch.Tensor] | None = None
+    else:
+        model_state: Any = None
+    """a hybrid model's state after the last token (the spec's `state` layout), None for a dense
+    model; a hybrid session resumes whole (its state with all its KV) or not at all"""
 
     @property
     def tokens(self) -> list[int]:

@@ -13,12 +13,12 @@ import contextlib
 import logging
 import math
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from agentstate import slices
-from agentstate.catalog import Committed, named_keys
+from agentstate import model_state, slices
+from agentstate.catalog import Committed, kv_keys, named_keys
 from agentstate.chunks import SweepCursor
 from agentstate.errors import (
     AgentStateError,
@@ -69,9 +69,14 @@ class Sessions:
         pinned: bool = False,
         expected_version: int | None = None,
         force: bool = False,
+        model_state: Mapping[str, torch.Tensor] | None = None,
     ) -> SessionManifest:
         """Durably store a session: chunks and tail reach the record tier first (one durable write),
         then the manifest commits.
+
+        `model_state`: a hybrid model's state after the last token (the tensors of the spec's
+        `state` layout: SSM/conv states, sliding windows), stored with the tail; required by a hybrid
+        spec, refused by a dense one.
 
         A crash leaves the previous version or this one, never a mix. `expected_version` is the
         version this writer last saw (e.g. the one it resumed): when another writer, on this host
@@ -87,7 +92,7 @@ class Sessions:
         """
         request = check_snapshot(
             self.scope, session_id, tokens, state, kv=kv, ttl_seconds=ttl_seconds, guaranteed_until=guaranteed_until,
-            pinned=pinned, expected_version=expected_version, force=force,
+            pinned=pinned, expected_version=expected_version, force=force, state_tensors=model_state,
         )  # fmt: skip
         async with self.scope.session_lock(session_id):
             prev = await self.catalog.get(self.tenant, session_id)
@@ -103,11 +108,12 @@ class Sessions:
             tkey = manifest.tail_key
             try:
                 with self.chunks.pinned(named_keys(manifest)):
-                    written = await write_session(self.chunks, manifest, kv)
+                    written = await write_session(self.chunks, manifest, kv, state=request.model_state, spec=self.spec)
                     manifest = manifest.model_copy(update={"updated_at": now()})
                     manifest, committed = await self._commit(manifest, base, force=force)
             except BaseException as exc:
-                await self._discard_attempt(request.keys, tkey, exc)
+                await self._discard_attempt([*request.keys, *([manifest.state_key] if manifest.state_key else [])],
+                                            tkey, exc)  # fmt: skip
                 raise
             self.usage_log.add(self.tenant, session_id, written.usage(manifest))
             self.chunks.learn(manifest.chunk_keys, request.tokens)
@@ -186,11 +192,12 @@ class Sessions:
             raise KVShapeError(
                 f"into holds {target.num_tokens} tokens, session {session_id!r} has {manifest.num_tokens}"
             )
-        keys = named_keys(manifest)
+        keys = kv_keys(manifest)
         usage: Counter[str] = Counter()
         lossy: set[str] = set()
-        with self.chunks.pinned(keys):
-            await self.chunks.discover(keys)
+        carried = None
+        with self.chunks.pinned(named_keys(manifest)):
+            await self.chunks.discover(named_keys(manifest))
             # the manifest's chunk size, not this store's: a directory reopened with another
             # chunk_tokens still resumes what it holds
             spans = self.scope.spans(len(manifest.chunk_keys), manifest.num_tokens, manifest.chunk_tokens)
@@ -198,8 +205,12 @@ class Sessions:
                 ok = await self.chunks.read(keys, spans, target, usage=usage, lossy=lossy)
             else:
                 ok = await slices.read_into(self.chunks, source, self.spec, keys, spans, target, lossy)
+            if manifest.state_key and all(ok) and source is None:
+                carried = await self._model_state(manifest)
         target.synchronize()
         lead = leading(ok)
+        if manifest.state_key and carried is None:
+            lead = 0  # a hybrid model resumes whole or not at all: its state is valid at the end only
         if manifest.chunk_tokens == self.scope.chunk_tokens and source is None:
             self.chunks.learn(manifest.chunk_keys[: min(lead, len(manifest.chunk_keys))], manifest.tokens)
         restored = manifest.num_tokens if lead == len(keys) else lead * manifest.chunk_tokens
@@ -221,8 +232,20 @@ class Sessions:
         exact = not lossy.intersection(keys[:lead])
         return ResumeResult(
             manifest=manifest, kv=kv[:, :, :restored] if kv is not None else None, restored_tokens=restored,
-            exact=exact,
+            exact=exact, model_state=carried,
         )
+
+    async def _model_state(self, manifest: SessionManifest) -> dict[str, torch.Tensor] | None:
+        """A hybrid session's state after its last token (`agentstate.model_state`); None when no tier
+        holds it intact (keys pinned)."""
+        import torch
+
+        spec = self.spec.state_spec
+        assert spec is not None and manifest.state_key is not None and self.spec.state is not None
+        size = self.spec.state.nbytes_at(manifest.num_tokens)
+        payload = torch.empty(spec.kv_shape(size), dtype=torch.uint8)
+        ok = await self.chunks.read_as(spec, [manifest.state_key], [size], lambda _, src: payload.copy_(src))
+        return model_state.unpack(self.spec, payload, manifest.num_tokens) if ok[0] else None
 
     async def fork(self, source_id: str, new_id: str) -> SessionManifest:
         """A new session sharing every chunk of `source_id` (no copy); only the small tail and the
@@ -240,9 +263,11 @@ class Sessions:
             for _ in range(_FORCE_RETRIES):
                 src = await self._manifest(source_id)
                 tkey = tail_key(self.fingerprint, self.tenant, new_id, 1) if src.tail_key else None
-                pins = [*src.chunk_keys, *([src.tail_key, tkey] if src.tail_key and tkey else [])]
+                # a hybrid model's state is named, not copied: the fork shares it as it shares chunks
+                shared = [*src.chunk_keys, *([src.state_key] if src.state_key else [])]
+                pins = [*shared, *([src.tail_key, tkey] if src.tail_key and tkey else [])]
                 with self.chunks.pinned(pins):
-                    if not await self.chunks.durable(src.chunk_keys):
+                    if not await self.chunks.durable(shared):
                         continue  # the source changed under us: its chunks went with an older version
                     try:
                         if src.tail_key and tkey and not await self._copy_tail(src, tkey):
@@ -330,7 +355,7 @@ class Sessions:
         else:
             self._hit(manifest)
         return await self.apply_hint(
-            f"hint:{self.tenant}/{session_id}", session_id, named_keys(manifest), _key_tokens(manifest), parsed
+            f"hint:{self.tenant}/{session_id}", session_id, kv_keys(manifest), _key_tokens(manifest), parsed
         )
 
     async def apply_hint(
@@ -491,7 +516,7 @@ class GcStep:
 
 
 def _key_tokens(manifest: SessionManifest) -> list[int]:
-    """Tokens in each of `named_keys(manifest)`."""
+    """Tokens in each of `kv_keys(manifest)`."""
     return [manifest.chunk_tokens] * len(manifest.chunk_keys) + ([manifest.tail_tokens] if manifest.tail_key else [])
 
 

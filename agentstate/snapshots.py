@@ -20,8 +20,9 @@ from pydantic import ValidationError
 
 import agentstate.manifest as manifests  # its clock read through the module: a test that sets it sets it here
 from agentstate.catalog import named_keys
-from agentstate.errors import InvalidArgumentError
-from agentstate.keys import ChunkKey, tail_key, token_array, validate_id
+from agentstate.errors import InvalidArgumentError, KVShapeError
+from agentstate import model_state
+from agentstate.keys import ChunkKey, state_key, tail_key, token_array, validate_id
 from agentstate.manifest import SessionManifest
 
 if TYPE_CHECKING:
@@ -68,6 +69,8 @@ class SnapshotRequest:
     ttl_seconds: float | None
     guaranteed_until: float | None
     pinned: bool
+    model_state: torch.Tensor | None = None
+    """a hybrid model's state after the last token, packed (`agentstate.model_state`)"""
 
 
 def check_snapshot(
@@ -82,9 +85,11 @@ def check_snapshot(
     pinned: Any = False,
     expected_version: Any = None,
     force: Any = False,
+    state_tensors: Any = None,
 ) -> SnapshotRequest:
     """Every check `snapshot` makes on its arguments (InvalidArgumentError; KVShapeError for `kv`,
-    unless left out: an import checks its chunks by decoding them)."""
+    unless left out: an import checks its chunks by decoding them, and for `state_tensors`, a hybrid
+    model's state after the last token: required by a spec with a state layout, refused by others)."""
     validate_id(session_id)
     packed = token_array(tokens)
     if not packed:
@@ -106,8 +111,14 @@ def check_snapshot(
             f"guaranteed_until is {guaranteed_until - stamp:.0f}s away, but the record tier"
             f" {scope.chunks.record_tier!r} expires chunks after {record_ttl:g}s: the contract could not be kept"
         )
+    if (state_tensors is None) != (scope.spec.state is None):
+        raise KVShapeError(
+            "this spec is a hybrid model's: pass model_state= (its state after the last token)" if state_tensors is None
+            else "model_state= is a hybrid model's state; this spec has no state layout"
+        )
+    payload = None if state_tensors is None else model_state.pack(scope.spec, state_tensors, len(packed))
     keys = scope.prefix_keys(packed)  # a session's chunks are the prefix's: stored once (see key_scheme)
-    return SnapshotRequest(session_id, packed, keys, state, ttl_seconds, guaranteed_until, pinned)
+    return SnapshotRequest(session_id, packed, keys, state, ttl_seconds, guaranteed_until, pinned, payload)
 
 
 def snapshot_manifest(scope: Scope, request: SnapshotRequest, prev: SessionManifest | None) -> SessionManifest:
@@ -118,12 +129,15 @@ def snapshot_manifest(scope: Scope, request: SnapshotRequest, prev: SessionManif
     tkey = None
     if len(request.tokens) > full:
         tkey = tail_key(scope.fingerprint, scope.tenant, request.session_id, version)
+    skey = None
+    if request.model_state is not None:
+        skey = state_key(scope.fingerprint, scope.tenant, request.session_id, version)
     stamp = manifests.now()
     try:
         return SessionManifest(
             session_id=request.session_id, tenant=scope.tenant, fingerprint=scope.fingerprint,
             chunk_tokens=scope.chunk_tokens, tokens=request.tokens.tolist(), chunk_keys=request.keys, tail_key=tkey,
-            state=request.state, version=version, parent=prev.parent if prev else None,
+            state_key=skey, state=request.state, version=version, parent=prev.parent if prev else None,
             created_at=prev.created_at if prev else stamp, updated_at=stamp, ttl_seconds=request.ttl_seconds,
             guaranteed_until=request.guaranteed_until, pinned=request.pinned, lossy=scope.config.lossy,
         )  # fmt: skip
@@ -153,9 +167,13 @@ async def write_session(
     manifest: SessionManifest,
     kv: torch.Tensor,
     before_write: Callable[[list[str]], None] | None = None,
+    state: torch.Tensor | None = None,
+    spec: ModelSpec | None = None,
 ) -> SessionWrite:
     """Durably write the chunks of `manifest` the record tier lacks, and its tail, from canonical
-    `kv` (the caller pins the keys). `before_write` hears the keys about to be written."""
+    `kv`, and a hybrid model's `state` (the packed payload, `spec` the store's: its `state_spec`
+    encodes it) under `manifest.state_key` (the caller pins the keys). `before_write` hears the
+    keys about to be written."""
     keys, c = manifest.chunk_keys, manifest.chunk_tokens
     full = len(keys) * c
     new = await chunks.missing(keys, durable=True)
@@ -166,6 +184,12 @@ async def write_session(
         if before_write is not None:
             before_write(write_keys)
         nbytes = await chunks.write(write_keys, write_kv, durable=True)
+    if manifest.state_key is not None:
+        if state is None or spec is None or spec.state_spec is None:
+            raise InvalidArgumentError("a manifest naming a model state needs the state and a hybrid spec to write it")
+        if before_write is not None:
+            before_write([manifest.state_key])
+        nbytes += await chunks.write([manifest.state_key], [state], durable=True, spec=spec.state_spec)
     return SessionWrite(new, nbytes)
 
 

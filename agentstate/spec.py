@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
 from agentstate.errors import InvalidArgumentError, KVShapeError
 
@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     DTYPES: dict[str, torch.dtype]
     DTYPE_NAMES: dict[torch.dtype, str]
 
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-"""Bytes per element of each dtype a spec may name (the keys of DTYPES, known without torch)."""
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
+"""Bytes per element of each dtype a spec may name (the keys of DTYPES, known without torch); uint8 is
+raw bytes (a hybrid model's recurrent state as stored, `ModelSpec.state_spec`)."""
 
 
 def __getattr__(name: str) -> Any:
@@ -29,6 +30,74 @@ def __getattr__(name: str) -> Any:
     dtypes = {n: getattr(torch, n) for n in ITEMSIZE}
     globals().update(DTYPES=dtypes, DTYPE_NAMES={v: k for k, v in dtypes.items()})
     return globals()[name]
+
+
+class StateTensor(BaseModel):
+    """One tensor of a hybrid model's state at a position: a linear-attention (Mamba, GatedDeltaNet) or
+    short-conv layer's conv or recurrent state, whose size does not depend on the position, or a
+    sliding-window layer's KV of its last tokens (`window_dim`: that dimension holds
+    `min(position, shape[window_dim])` tokens)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    shape: tuple[int, ...] = Field(min_length=1, max_length=8)
+    dtype: str
+    window_dim: int | None = Field(default=None, ge=0)
+
+    @field_validator("shape")
+    @classmethod
+    def _positive(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(d <= 0 or d > 1 << 24 for d in value):
+            raise ValueError(f"every dimension must be in 1..2**24, got {value}")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in ITEMSIZE:
+            raise ValueError(f"dtype must be one of {sorted(ITEMSIZE)}, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _window_in_shape(self) -> StateTensor:
+        if self.window_dim is not None and self.window_dim >= len(self.shape):
+            raise ValueError(f"window_dim {self.window_dim} outside shape {self.shape}")
+        return self
+
+    def shape_at(self, position: int) -> tuple[int, ...]:
+        """Its shape in the state after `position` tokens."""
+        if self.window_dim is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.window_dim] = min(position, shape[self.window_dim])
+        return tuple(shape)
+
+    def nbytes_at(self, position: int) -> int:
+        n = ITEMSIZE[self.dtype]
+        for d in self.shape_at(position):
+            n *= d
+        return n
+
+
+class StateLayout(BaseModel):
+    """What a hybrid model carries besides per-token KV (whose layers are the spec's `num_layers`):
+    the tensors of its state at a position, in the order they are stored."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tensors: tuple[StateTensor, ...] = Field(min_length=1, max_length=4096)
+
+    @model_validator(mode="after")
+    def _unique(self) -> StateLayout:
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError("state tensor names must be unique")
+        return self
+
+    def nbytes_at(self, position: int) -> int:
+        """Bytes of the state after `position` tokens."""
+        return sum(t.nbytes_at(position) for t in self.tensors)
 
 
 class ModelSpec(BaseModel):
@@ -50,6 +119,16 @@ class ModelSpec(BaseModel):
     head_dim: int = Field(gt=0, le=65536)
     tp_rank: int = Field(default=0, ge=0)
     tp_size: int = Field(default=1, ge=1)
+    state: StateLayout | None = None
+    """a hybrid model's state besides its full-attention KV (None: every layer is full attention);
+    left out of the stored form and the fingerprint when None, so dense specs read as before"""
+
+    @model_serializer(mode="wrap")
+    def _dense_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.state is None:
+            data.pop("state", None)
+        return data
 
     @field_validator("dtype")
     @classmethod
@@ -118,6 +197,16 @@ class ModelSpec(BaseModel):
             found.append([self.slicing(size, r) for r in ranks])
         found.sort(key=lambda parts: (len(parts) * parts[0].num_kv_heads, len(parts)))
         return found
+
+    @property
+    def state_spec(self) -> ModelSpec | None:
+        """How a hybrid state value is encoded: raw bytes, one "token" a byte (`kv_shape(n)` is
+        `(1, 1, n, 1, 1)`), under a spec named by this one's fingerprint, so a state value is never
+        read as another model's (its key names this spec too). None for a dense spec."""
+        if self.state is None:
+            return None
+        return ModelSpec(model_id=self.model_id, revision=f"state-of-{self.fingerprint}", dtype="uint8", num_layers=1,
+                         kv_planes=1, num_kv_heads=1, head_dim=1)  # fmt: skip
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import functools
 import logging
+from array import array
 from collections import Counter
 from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
@@ -15,13 +16,14 @@ from pydantic import BaseModel
 from typing_extensions import Self
 
 from agentstate import datadir, slices
+from agentstate import model_state as model_state_codec
 from agentstate.backends.base import BackendStats
 from agentstate.catalog import Catalog
 from agentstate.chunks import ChunkStore, PrefetchHandle, PrefetchPolicy, deadline_for
 from agentstate.config import StoreConfig
-from agentstate.errors import AgentStateError, InvalidArgumentError
+from agentstate.errors import AgentStateError, InvalidArgumentError, KVShapeError
 from agentstate.hints import Hint, HintKind, HintResult
-from agentstate.keys import ChunkKey, token_array, validate_id
+from agentstate.keys import ChunkKey, boundary_key, token_array, validate_id
 from agentstate.layouts import NativeKV
 from agentstate.manifest import MatchResult
 from agentstate.sessions import Sessions, leading
@@ -230,17 +232,61 @@ class StateStore:
 
     # -- shared prefixes -----------------------------------------------------------------------
 
-    async def put_prefix(self, tokens: Sequence[int] | torch.Tensor, kv: torch.Tensor) -> int:
+    async def put_prefix(
+        self, tokens: Sequence[int] | torch.Tensor, kv: torch.Tensor, *,
+        model_state: Mapping[str, torch.Tensor] | None = None,
+    ) -> int:  # fmt: skip
         """Store the full chunks of a shared prefix once; returns how many tokens were newly stored.
 
         The prefix is kept (referenced) until removed, whatever happens to sessions that share it.
+        A hybrid model's prefix (its spec has a `state` layout) is whole chunks, and `model_state` is
+        its state after the last token: the boundary a later `load` may stop at (a prefix is a hit up
+        to the last boundary stored; store one every few chunks with several calls).
         """
         packed = token_array(tokens)
         self.spec.check_kv(kv, len(packed))
         keys = self._scope.prefix_keys(packed)
-        stored = await self._store_prefix(keys, self._scope.slices(kv, len(keys)), keys)
+        boundary = None
+        if self.spec.state is not None or model_state is not None:
+            boundary = self._boundary(packed, keys, model_state)
+        stored = await self._store_prefix(keys, self._scope.slices(kv, len(keys)), keys, boundary)
         self.chunks.learn(keys, packed)
         return stored
+
+    def _boundary(
+        self, packed: array, keys: list[ChunkKey], model_state: Mapping[str, torch.Tensor] | None
+    ) -> tuple[str, torch.Tensor]:
+        """(key, payload) of a hybrid prefix's state after its last token; KVShapeError where there is none."""
+        if self.spec.state is None:
+            raise KVShapeError("model_state= is a hybrid model's state; this spec has no state layout")
+        if model_state is None:
+            raise KVShapeError("a hybrid model's prefix needs model_state= (its state after the last token)")
+        if not keys or len(packed) != len(keys) * self.chunk_tokens:
+            raise KVShapeError(
+                f"a hybrid model's prefix is whole chunks of {self.chunk_tokens} tokens (its state is valid after"
+                f" the last one only), got {len(packed)} tokens"
+            )
+        return boundary_key(keys[-1]), model_state_codec.pack(self.spec, model_state, len(packed))
+
+    async def prefix_state(self, tokens: Sequence[int] | torch.Tensor, num_tokens: int) -> dict[str, torch.Tensor] | None:
+        """A hybrid model's state after the first `num_tokens` of `tokens` (a boundary a `load`
+        stopped at: whole chunks), or None when no tier holds it intact."""
+        import torch
+
+        packed = token_array(tokens)
+        spec, layout = self.spec.state_spec, self.spec.state
+        c = self.chunk_tokens
+        if spec is None or layout is None:
+            raise KVShapeError("this spec has no state layout: a dense model's prefix is its KV alone")
+        if num_tokens <= 0 or num_tokens % c or num_tokens > len(packed):
+            raise InvalidArgumentError(f"a boundary is a whole number of {c}-token chunks within the tokens, got {num_tokens}")
+        key = boundary_key(self._scope.prefix_keys(packed[:num_tokens])[-1])
+        size = layout.nbytes_at(num_tokens)
+        payload = torch.empty(spec.kv_shape(size), dtype=torch.uint8)
+        with self.chunks.pinned([key]):
+            await self.chunks.discover([key])
+            ok = await self.chunks.read_as(spec, [key], [size], lambda _, src: payload.copy_(src))
+        return model_state_codec.unpack(self.spec, payload, num_tokens) if ok[0] else None
 
     async def put_chunks(
         self, tokens: Sequence[int] | torch.Tensor, chunks: Mapping[int, torch.Tensor | NativeKV]
@@ -260,6 +306,8 @@ class StateStore:
             return 0
         if min(chunks) < 0 or max(chunks) >= len(keys):
             raise InvalidArgumentError(f"chunk indices {sorted(chunks)} outside the {len(keys)} full chunks of tokens")
+        if self.spec.state is not None:
+            raise KVShapeError("a hybrid model's prefix is stored whole with its state (put_prefix(model_state=))")
         for kv in chunks.values():
             if isinstance(kv, NativeKV):
                 kv.check(self.spec, self.chunk_tokens)
@@ -271,23 +319,32 @@ class StateStore:
         return stored
 
     async def _store_prefix(
-        self, keys: list[ChunkKey], kv: Sequence[torch.Tensor | NativeKV], prefix: list[ChunkKey]
-    ) -> int:
-        """Write the chunks of `keys` not stored yet (`kv[i]` is chunk `keys[i]`), then record
-        `prefix` so they are kept; what this call wrote goes again if it fails."""
+        self, keys: list[ChunkKey], kv: Sequence[torch.Tensor | NativeKV], prefix: list[ChunkKey],
+        boundary: tuple[str, torch.Tensor] | None = None,
+    ) -> int:  # fmt: skip
+        """Write the chunks of `keys` not stored yet (`kv[i]` is chunk `keys[i]`) and a hybrid
+        model's `boundary` state (key, payload), then record `prefix` (and the boundary) so they are
+        kept; what this call wrote goes again if it fails."""
         if not prefix:
             return 0
         new: list[int] = []
+        wrote: list[str] = []
         written = 0
+        named: list[str] = [*prefix, *([boundary[0]] if boundary else [])]
         try:
-            with self.chunks.pinned(keys):
+            with self.chunks.pinned([*keys, *named]):
                 new = await self.chunks.missing(keys, durable=False)
                 if new:
-                    written = await self.chunks.write([keys[i] for i in new], [kv[i] for i in new], durable=False)
-                await self.catalog.add_prefix(prefix)
+                    wrote = [keys[i] for i in new]
+                    written = await self.chunks.write(wrote, [kv[i] for i in new], durable=False)
+                if boundary is not None and await self.chunks.missing([boundary[0]], durable=False):
+                    wrote.append(boundary[0])
+                    written += await self.chunks.write([boundary[0]], [boundary[1]], durable=False,
+                                                       spec=self.spec.state_spec)  # fmt: skip
+                await self.catalog.add_prefix(named)
         except BaseException:
             with contextlib.suppress(AgentStateError):  # nothing names what this call wrote
-                await self._scope.collect([keys[i] for i in new])
+                await self._scope.collect(wrote)
             raise
         c = self.chunk_tokens
         self.usage_log.add(self.tenant, None, {
@@ -300,6 +357,9 @@ class StateStore:
         heads, after bringing in those another TP size of the model stored (`agentstate.slices`):
         read, narrowed or assembled to this rank's heads, and kept under this slicing's keys."""
         n = await self.chunks.lookup(keys)
+        if self.spec.state is not None:  # a hybrid prefix: up to the last boundary whose state is stored
+            present = await self.chunks.present([boundary_key(k) for k in keys[:n]]) if n else []
+            return max((i + 1 for i, p in enumerate(present) if p), default=0)
         if n == len(keys) or self.chunks.read_only:
             return n
         try:

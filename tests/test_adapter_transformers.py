@@ -264,8 +264,8 @@ def test_non_full_attention_caches_are_refused() -> None:
                          num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=1, **TINY)  # fmt: skip
     torch.manual_seed(0)
     sliding = Qwen2ForCausalLM(config).eval()
-    with pytest.raises(tfa.UnsupportedCacheError, match="sliding_attention"):
-        tfa.spec_for(sliding, model_id="x/sliding")
+    windows = tfa.spec_for(sliding, model_id="x/sliding").state  # a hybrid spec now (tests/test_hybrid.py)
+    assert windows is not None and all(t.window_dim == 2 for t in windows.tensors)
     full_spec = spec_of(build("llama"), "llama").model_copy(update={"num_kv_heads": 2, "head_dim": 16})
     _, cache = forward(sliding, prompt(40))
     with pytest.raises(tfa.UnsupportedCacheError, match="DynamicSlidingWindowLayer"):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentstate.catalog.base import Catalog, Committed, named_keys
+from agentstate.catalog.base import Catalog, Committed, kv_keys, named_keys
 from agentstate.catalog.lmdb import CATALOG_FORMAT, LMDBCatalog
 
-__all__ = ["CATALOG_FORMAT", "Catalog", "Committed", "LMDBCatalog", "RedisCatalog", "named_keys"]
+__all__ = ["CATALOG_FORMAT", "Catalog", "Committed", "LMDBCatalog", "RedisCatalog", "kv_keys", "named_keys"]
 
 
 def __getattr__(name: str) -> Any:

@@ -23,10 +23,18 @@ class Committed(NamedTuple):
     local catalog counts tails like chunks and reports them in `zeroed`"""
 
 
-def named_keys(manifest: SessionManifest) -> list[str]:
-    """Every key a manifest keeps alive: its chunks and its tail. The tail is counted too, so gc
-    decides about tails by the same atomic count as chunks, never by a list read at another time."""
+def kv_keys(manifest: SessionManifest) -> list[str]:
+    """The keys of a manifest's KV: its chunks and its tail (not a hybrid model's state, which is
+    another spec's value: read with `ModelSpec.state_spec`, never as KV)."""
     return [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
+
+
+def named_keys(manifest: SessionManifest) -> list[str]:
+    """Every key a manifest keeps alive: its chunks, its tail and a hybrid model's state. The tail and
+    the state are counted too, so gc decides about them by the same atomic count as chunks, never by a
+    list read at another time."""
+    return [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else []),
+            *([manifest.state_key] if manifest.state_key else [])]  # fmt: skip
 
 
 class Catalog(ABC):

@@ -443,11 +443,14 @@ class ChunkStore:
         commit that names chunks without writing them (a fork) checks first."""
         return not await self.missing(keys, durable=True)
 
-    async def write(self, keys: Sequence[str], chunks: Sequence[torch.Tensor | NativeKV], *, durable: bool) -> int:
+    async def write(
+        self, keys: Sequence[str], chunks: Sequence[torch.Tensor | NativeKV], *, durable: bool,
+        spec: ModelSpec | None = None,
+    ) -> int:  # fmt: skip
         """Encode KV chunks (canonical, or `NativeKV` in an engine's layout) and store them where the
         write policy says, in one store call (one durable write of the record tier); returns encoded
-        bytes. Keys must be pinned."""
-        return await self._transfer.write(keys, chunks, durable=durable)
+        bytes. `spec`: the values are another spec's (a hybrid state's). Keys must be pinned."""
+        return await self._transfer.write(keys, chunks, durable=durable, spec=spec)
 
     async def put_values(
         self, keys: Sequence[str], values: Sequence[Value], *, durable: bool = False, tiers: Sequence[str] | None = None

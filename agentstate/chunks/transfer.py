@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from agentstate import codec, layouts
 from agentstate.chunks.io import IOEngine, batches
 from agentstate.chunks.tiers import Tier, TierManager, Value
-from agentstate.errors import AgentStateError, InvalidArgumentError
+from agentstate.errors import AgentStateError, InvalidArgumentError, SpecMismatchError
 from agentstate.layouts import NativeKV
 from agentstate.memory import Buffer, copy_bytes, host_buffer
 from agentstate.spec import ModelSpec
@@ -278,6 +278,9 @@ class Transfer:
                     )
                     if deliver is not None:
                         deliver(i, self._as(native, src))
+                except SpecMismatchError as exc:  # another spec's value, intact: not ours to serve, nor to drop
+                    status[i] = "foreign" if codec.intact(view, key=keys[i]) else f"corrupt: {exc}"
+                    return
                 except AgentStateError as exc:
                     status[i] = f"corrupt: {exc}"
                     return
@@ -329,8 +332,12 @@ class Transfer:
 
     # -- writes --------------------------------------------------------------------------------
 
-    async def write(self, keys: Sequence[str], chunks: Sequence[torch.Tensor | NativeKV], *, durable: bool) -> int:
+    async def write(
+        self, keys: Sequence[str], chunks: Sequence[torch.Tensor | NativeKV], *, durable: bool,
+        spec: ModelSpec | None = None,
+    ) -> int:  # fmt: skip
         """Encode `chunks` and store them where the write policy says; returns encoded bytes.
+        `spec`: the values are another spec's (a hybrid state's, `ModelSpec.state_spec`).
 
         Pipelined: each batch goes to the tiers as soon as it is encoded, so encoding batch i+1
         overlaps writing batch i (encoding alone is a copy into fresh memory plus a checksum: as
@@ -342,9 +349,10 @@ class Transfer:
         """
         sizes = [codec.encoded_size(codec.payload_bytes(c)) for c in chunks]
         loop = asyncio.get_running_loop()
+        fingerprint = (spec or self.spec).fingerprint
 
         def encode(run: list[int]) -> list[Value]:
-            return [codec.encode(chunks[i], self.fingerprint, key=keys[i], out=self.buffer(sizes[i])) for i in run]
+            return [codec.encode(chunks[i], fingerprint, key=keys[i], out=self.buffer(sizes[i])) for i in run]
 
         async def job(run: list[int]) -> None:
             # The IO engine bounds the encodes in flight, not the writes: a batch waiting for its

@@ -23,6 +23,7 @@ from agentstate.chunks import TierInfo as ChunkTierInfo
 from agentstate.datadir import SPEC, directory_spec, is_store, read_spec_file, record_spec, recorded_spec  # noqa: F401
 from agentstate.errors import InvalidArgumentError
 from agentstate.edges import key_spaces
+from agentstate.catalog import named_keys
 from agentstate.keys import validate_id
 from agentstate.manifest import SessionManifest
 from agentstate.ops.reports import ChunkInfo, GcReport, SessionDetail, SessionRow, dumps  # noqa: F401  (re-exported)
@@ -92,12 +93,21 @@ def stored_size(spec: ModelSpec, tokens: int) -> int:
 
 
 def session_keys(manifest: SessionManifest) -> list[str]:
-    return [*manifest.chunk_keys, *([manifest.tail_key] if manifest.tail_key else [])]
+    """Its chunks, its tail and a hybrid model's state after its last token, in that order."""
+    return named_keys(manifest)
+
+
+def state_size(spec: ModelSpec, m: SessionManifest) -> int:
+    """Stored bytes of a hybrid session's state (0 for a dense one)."""
+    if m.state_key is None or spec.state is None:
+        return 0
+    return codec.encoded_size(spec.state.nbytes_at(m.num_tokens))
 
 
 def _row(store: StateStore, m: SessionManifest) -> SessionRow:
     size = len(m.chunk_keys) * stored_size(store.spec, m.chunk_tokens)
     size += stored_size(store.spec, m.tail_tokens) if m.tail_key else 0
+    size += state_size(store.spec, m)
     return SessionRow(
         session_id=m.session_id, tenant=m.tenant, version=m.version, tokens=m.num_tokens, chunks=len(m.chunk_keys),
         tail_tokens=m.tail_tokens, bytes=size, parent=m.parent, pinned=m.pinned, ttl_seconds=m.ttl_seconds,
@@ -127,19 +137,19 @@ async def inspect_session(store: StateStore, session_id: str) -> SessionDetail:
     await store.chunks.discover(keys)
     chunks = []
     for i, key in enumerate(keys):
-        tail = i == len(m.chunk_keys)
+        kind = "state" if key == m.state_key else "tail" if i == len(m.chunk_keys) else "chunk"
         holders = store.chunks.where(key)
         size = (await store.chunks.backend(holders[0]).sizes([key]))[0] if holders else 0
         info = ChunkInfo(
-            index=i, kind="tail" if tail else "chunk", key=key, first_token=i * m.chunk_tokens,
-            tokens=m.tail_tokens if tail else m.chunk_tokens, bytes=size, tiers=holders,
+            index=i, kind=kind, key=key, first_token=m.num_tokens if kind == "state" else i * m.chunk_tokens,
+            tokens={"state": 0, "tail": m.tail_tokens}.get(kind, m.chunk_tokens), bytes=size, tiers=holders,
         )  # fmt: skip
         chunks.append(info)
     hold = store.chunks.held(f"hint:{m.tenant}/{m.session_id}")
     return SessionDetail(
         session_id=m.session_id, tenant=m.tenant, fingerprint=m.fingerprint, version=m.version, parent=m.parent,
         chunk_tokens=m.chunk_tokens, num_tokens=m.num_tokens, tail_tokens=m.tail_tokens, tail_key=m.tail_key,
-        created_at=m.created_at, updated_at=m.updated_at, ttl_seconds=m.ttl_seconds, pinned=m.pinned, state=m.state,
+        state_key=m.state_key, created_at=m.created_at, updated_at=m.updated_at, ttl_seconds=m.ttl_seconds, pinned=m.pinned, state=m.state,
         bytes=sum(c.bytes for c in chunks), missing=sum(not c.tiers for c in chunks), chunks=chunks,
         guaranteed_until=m.guaranteed_until, expires_at=m.expires_at(), last_hit_at=m.last_hit_at,
         hint=None if hold is None else hold.kind,

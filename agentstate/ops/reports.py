@@ -44,7 +44,8 @@ class SessionRow(BaseModel):
 
 class ChunkInfo(BaseModel):
     index: int
-    kind: Literal["chunk", "tail"]
+    kind: Literal["chunk", "tail", "state"]
+    """`state`: a hybrid model's state after the session's last token (SSM/conv states, sliding windows)"""
     key: str
     first_token: int
     tokens: int
@@ -64,6 +65,8 @@ class SessionDetail(BaseModel):
     tail_tokens: int
     tail_key: str | None
     created_at: float
+    state_key: str | None = None
+    """a hybrid model's state after the last token (None: a dense model's session)"""
     updated_at: float
     ttl_seconds: float | None
     pinned: bool

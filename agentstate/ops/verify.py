@@ -13,7 +13,7 @@ from agentstate import codec
 from agentstate.chunks import batches
 from agentstate.edges import key_spaces
 from agentstate.errors import AgentStateError, CorruptDataError
-from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX
+from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, is_state_key
 from agentstate.ops.admin import QUIET, Progress, session_keys, stored_size
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
@@ -82,6 +82,8 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
         expected.update(dict.fromkeys(m.chunk_keys, m.chunk_tokens))
         if m.tail_key:
             expected[m.tail_key] = m.tail_tokens
+        if m.state_key and store.spec.state is not None:
+            expected[m.state_key] = store.spec.state.nbytes_at(m.num_tokens)
     good: set[str] = set()
     checks: list[TierCheck] = []
     corrupt: list[BadChunk] = []
@@ -123,6 +125,8 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
         lost = [k for k in keys if k not in good]
         if lost:
             lead = next(i for i, k in enumerate(keys) if k not in good)
+            if m.state_key:  # a hybrid session resumes whole or not at all
+                lead = 0
             hit = AffectedSession(
                 tenant=m.tenant, session_id=m.session_id, tokens=m.num_tokens,
                 restorable_tokens=lead * m.chunk_tokens, bad_keys=lost,
@@ -155,7 +159,8 @@ async def _check_tier(
         batch = [keys[i] for i in run]
 
         def sink(j: int, view: memoryview, batch: list[str] = batch) -> None:
-            status[batch[j]] = check_chunk(view, spec, expected.get(batch[j]), batch[j])
+            key = batch[j]
+            status[key] = check_chunk(view, _spec_of(spec, key), expected.get(key), key)
 
         await store.chunks.read_raw(tier, batch, sink)
         progress.advance(len(batch))
@@ -182,9 +187,16 @@ async def _name_misplaced(store: StateStore, tier: str, status: dict[str, str], 
             if other == key:
                 continue
             budget -= 1
-            if check_chunk(value, spec, None, other) == "ok":
+            if check_chunk(value, _spec_of(spec, other), None, other) == "ok":
                 status[key] = f"misplaced: stored under the wrong key, a valid value of {other}"
                 break
+
+
+def _spec_of(spec: ModelSpec, key: str) -> ModelSpec:
+    """The spec whose value `key` holds: a hybrid model's state (`.state` keys) is its `state_spec`'s."""
+    if is_state_key(key) and spec.state_spec is not None:
+        return spec.state_spec
+    return spec
 
 
 def check_chunk(buf: codec.Buffer, spec: ModelSpec, tokens: int | None, key: str) -> str:

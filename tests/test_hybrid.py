@@ -1,0 +1,201 @@
+"""Hybrid models (agentstate.model_state, adapters/transformers_state.py): sessions and shared prefixes of
+tiny random transformers models whose layers mix full attention with GatedDeltaNet (Qwen3-Next), Mamba2
+(Granite 4 hybrid), short convolutions (LFM2) and sliding windows (Gemma 3), on real LMDB.
+
+A resumed session continues exactly as the run that never stopped (logits bit for bit); a prefix is a
+hit up to the last boundary whose state is stored; bad input is a typed error and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from agentstate import StateStore
+from agentstate.adapters import transformers as tfa
+from agentstate.errors import KVShapeError, SessionNotFoundError
+from agentstate.keys import boundary_key
+from agentstate.ops.admin import inspect_session, list_sessions
+from agentstate.ops.verify import verify
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2)  # fmt: skip
+ARCHS: dict[str, dict[str, Any]] = {
+    "qwen3_next": dict(layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16, head_dim=16, num_experts=0, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64, mlp_only_layers=[0, 1, 2, 3]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
+                             mamba_d_state=16, mamba_n_groups=1, mamba_expand=1, num_local_experts=0,
+                             shared_intermediate_size=128),
+    "lfm2": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    "gemma3_text": dict(layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+                        sliding_window=8, head_dim=16),
+}  # fmt: skip
+C = 16
+
+
+def build(arch: str) -> Any:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **TINY, **ARCHS[arch])).eval()
+    with torch.no_grad():  # sharper logits: greedy tokens follow the context, not noise
+        for p in model.parameters():
+            p.mul_(3.0)
+    return model
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (n,), generator=g).tolist()
+
+
+def run(model: Any, ids: list[int], cache: Any = None) -> tuple[torch.Tensor, Any]:
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), cache=cache, use_cache=True)
+    return out.logits[0, -1], out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+
+
+def decode(model: Any, cache: Any, token: int, steps: int = 8) -> list[torch.Tensor]:
+    logits = []
+    for _ in range(steps):
+        last, cache = run(model, [token], cache)
+        logits.append(last)
+        token = int(last.argmax())
+    return logits
+
+
+def open_store(path: Path, spec: Any, **kw: Any) -> Any:
+    return StateStore.open(path, spec, chunk_tokens=C, lmdb_map_size=64 << 20, **kw)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+async def test_a_resumed_session_continues_as_the_run_that_never_stopped(tmp_path: Path, arch: str) -> None:
+    model = build(arch)
+    spec = tfa.spec_for(model, model_id=f"test/{arch}")
+    assert spec.state is not None
+    ids = tokens(45, seed=1)
+    last, cache = run(model, ids)
+    nxt = int(last.argmax())
+    want = decode(model, copy.deepcopy(cache), nxt)
+    async with open_store(tmp_path / "d", spec) as store:
+        await tfa.snapshot(store, "s", ids, cache, {"next": nxt})
+    async with open_store(tmp_path / "d", spec) as store:  # from disk, after a restart
+        got = await tfa.resume(store, "s", model)
+        assert got.restored_tokens == 45 and got.tokens == ids
+        logits = decode(model, got.cache, got.state["next"])
+        assert all(torch.equal(a, b) for a, b in zip(logits, want))
+        assert (await verify(store)).clean
+
+
+async def test_ls_inspect_and_verify_know_a_hybrid_session(tmp_path: Path) -> None:
+    model = build("qwen3_next")
+    spec = tfa.spec_for(model, model_id="test/qwen3_next")
+    ids = tokens(40, seed=2)
+    _, cache = run(model, ids)
+    async with open_store(tmp_path / "d", spec) as store:
+        m = await tfa.snapshot(store, "s", ids, cache)
+        assert m.state_key is not None and m.state_key.endswith(".state")
+        detail = await inspect_session(store, "s")
+        assert [c.kind for c in detail.chunks] == ["chunk", "chunk", "tail", "state"] and detail.state_key == m.state_key
+        state_bytes = detail.chunks[-1].bytes
+        assert state_bytes == 64 + spec.state.nbytes_at(40)  # type: ignore[union-attr]
+        assert (await list_sessions(store))[0].bytes == sum(c.bytes for c in detail.chunks)
+        fork = await store.fork("s", "s2")
+        assert fork.state_key == m.state_key  # named, not copied: kept while either names it
+        await store.delete("s")
+        assert (await tfa.resume(store, "s2", model)).restored_tokens == 40
+        report = await verify(store)
+        assert report.clean and report.orphans == []
+
+
+async def test_a_damaged_state_is_never_served_and_verify_names_it(tmp_path: Path) -> None:
+    model = build("granitemoehybrid")
+    spec = tfa.spec_for(model, model_id="test/granite")
+    ids = tokens(40, seed=3)
+    _, cache = run(model, ids)
+    async with open_store(tmp_path / "d", spec) as store:
+        m = await tfa.snapshot(store, "s", ids, cache)
+        backend = store.chunks.backend("lmdb")
+        value = bytearray((await store.chunks.raw_value("lmdb", m.state_key)))  # type: ignore[arg-type]
+        value[-3] ^= 0x40
+        await backend.put([m.state_key], [bytes(value)])  # type: ignore[list-item]
+    async with open_store(tmp_path / "d", spec) as store:
+        report = await verify(store)
+        assert not report.clean and [b.key for b in report.corrupt] == [m.state_key]
+        assert report.affected[0].restorable_tokens == 0
+        got = await tfa.resume(store, "s", model)  # the KV alone would continue wrong: nothing restored
+        assert got.restored_tokens == 0 and got.cache.get_seq_length() == 0
+        result = await store.resume("s")
+        assert result.restored_tokens == 0 and result.model_state is None
+
+
+async def test_bad_model_state_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    model = build("lfm2")
+    spec = tfa.spec_for(model, model_id="test/lfm2")
+    ids = tokens(40, seed=4)
+    _, cache = run(model, ids)
+    kv, state, _ = tfa.hybrid.split(cache, spec)
+    async with open_store(tmp_path / "d", spec) as store:
+        await store.snapshot("kept", ids, kv, model_state=state)
+        with pytest.raises(KVShapeError, match="model_state"):
+            await store.snapshot("s", ids, kv)  # a hybrid spec needs its state
+        wrong = {**state, next(iter(state)): torch.zeros(3)}
+        with pytest.raises(KVShapeError):
+            await store.snapshot("s", ids, kv, model_state=wrong)
+        with pytest.raises(KVShapeError):
+            await store.snapshot("s", ids, kv, model_state={**state, "9.conv0": torch.zeros(1)})
+        with pytest.raises(KVShapeError):
+            await store.snapshot("s", ids, kv, model_state={k: v.double() for k, v in state.items()})
+        with pytest.raises(KVShapeError):
+            await store.put_chunks(ids[:C], {0: kv[:, :, :C]})
+        with pytest.raises(KVShapeError):
+            await store.put_prefix(ids[: C + 3], kv[:, :, : C + 3], model_state=state)
+        with pytest.raises(SessionNotFoundError):
+            await store.resume("s")
+        assert [r.session_id for r in await list_sessions(store)] == ["kept"]
+        assert (await verify(store)).clean
+    dense = spec.model_copy(update={"state": None, "model_id": "test/dense"})
+    async with open_store(tmp_path / "dense", dense) as store:
+        with pytest.raises(KVShapeError, match="no state layout"):
+            await store.snapshot("s", ids, kv, model_state=state)
+
+
+async def test_a_shared_prefix_hits_up_to_its_last_stored_boundary(tmp_path: Path) -> None:
+    """Two agents share a 48-token system prompt: the second's prefill starts from the first's boundary
+    at 48 tokens (state and KV there), and ends where a prefill with nothing stored ends, bit for bit."""
+    model = build("qwen3_next")
+    spec = tfa.spec_for(model, model_id="test/qwen3_next")
+    system = tokens(48, seed=5)
+    first, second = system + tokens(21, seed=6), system + tokens(30, seed=7)
+    async with open_store(tmp_path / "ref", spec) as ref:  # nothing stored before: the reference
+        want = await tfa.prefill(ref, second, model, every=1)
+    async with open_store(tmp_path / "d", spec) as store:
+        await tfa.prefill(store, first, model, every=1)  # boundaries every chunk: 16, 32, 48, 64
+        hit = await tfa.load_prefix(store, second, model)
+        assert hit.tokens == 48
+        got = await tfa.prefill(store, second, model, every=1)
+        last_want, _ = run(model, [second[-1]], want)
+        last_got, _ = run(model, [second[-1]], got)
+        assert torch.equal(last_got, last_want)
+        assert (await tfa.load_prefix(store, second, model)).tokens == 64  # its own boundaries now
+        # boundaries lost: the hit stops at the last one left, never at KV without its state
+        await store.chunks.delete([boundary_key(k) for k in store.prefix_keys(second)[2:4]])
+        assert (await tfa.load_prefix(store, second, model)).tokens == 32
+        assert (await store.match(second)).tokens == 32
+
+
+def test_hybrid_bytes_per_token_and_boundary_are_what_the_layout_says() -> None:
+    model = build("qwen3_next")
+    spec = tfa.spec_for(model, model_id="test/qwen3_next")
+    assert spec.num_layers == 1 and spec.state is not None  # one full-attention layer of four
+    assert {t.name for t in spec.state.tensors} == {f"{i}.{p}0" for i in range(3) for p in ("conv", "recurrent")}
+    assert spec.state.nbytes_at(10) == spec.state.nbytes_at(10_000)  # an SSM's state does not grow
+    windows = tfa.spec_for(build("gemma3_text"), model_id="test/gemma").state
+    assert windows is not None and windows.nbytes_at(3) < windows.nbytes_at(7) == windows.nbytes_at(700)
