@@ -119,9 +119,12 @@ class ModelSpec(BaseModel):
     head_dim: int = Field(gt=0, le=65536)
     tp_rank: int = Field(default=0, ge=0)
     tp_size: int = Field(default=1, ge=1)
-    state: StateLayout | None = None
-    """a hybrid model's state besides its full-attention KV (None: every layer is full attention);
-    left out of the stored form and the fingerprint when None, so dense specs read as before"""
+    state: StateLayout | None = Field(
+        default=None,
+        description="a hybrid model's state besides the KV of its full-attention layers (num_layers): SSM, conv"
+        " and sliding-window tensors (docs/design.md, Hybrid models); none for a model of full-attention layers",
+    )
+    """left out of the stored form and the fingerprint when None, so dense specs read as before"""
 
     @model_serializer(mode="wrap")
     def _dense_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
