@@ -199,3 +199,24 @@ def test_hybrid_bytes_per_token_and_boundary_are_what_the_layout_says() -> None:
     assert spec.state.nbytes_at(10) == spec.state.nbytes_at(10_000)  # an SSM's state does not grow
     windows = tfa.spec_for(build("gemma3_text"), model_id="test/gemma").state
     assert windows is not None and windows.nbytes_at(3) < windows.nbytes_at(7) == windows.nbytes_at(700)
+
+
+async def test_a_value_of_another_spec_read_as_kv_is_skipped_never_dropped(tmp_path: Path) -> None:
+    """A hybrid state asked for as KV (a caller's mistake, or keys of two specs side by side) is not
+    this reader's: the read misses, and the value stays (only a damaged value is dropped)."""
+    from agentstate.target import TensorTarget
+
+    model = build("qwen3_next")
+    spec = tfa.spec_for(model, model_id="test/qwen3_next")
+    ids = tokens(40, seed=8)
+    _, cache = run(model, ids)
+    async with open_store(tmp_path / "d", spec) as store:
+        m = await tfa.snapshot(store, "s", ids, cache)
+        key = m.state_key
+        assert key is not None
+        kv = spec.empty_kv(8)
+        with store.chunks.pinned([key]):
+            assert await store.chunks.read([key], [(0, 8)], TensorTarget(kv, spec)) == [False]
+        assert await store.chunks.raw_value("lmdb", key) is not None
+        assert (await tfa.resume(store, "s", model)).restored_tokens == 40
+        assert store.chunks.counters().get("corrupt", 0) == 0

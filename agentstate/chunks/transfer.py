@@ -73,19 +73,29 @@ class Transfer:
         if self.read_only:  # a reader of a directory it does not own never deletes: forget only
             self.manager.index.discard(missing + corrupt, tier.name)
             return
-        if tier.backend.remote:
-            self.manager.note(tier, missing, [False] * len(missing))
-            doomed = corrupt
-        else:
-            doomed = missing + corrupt
-        if not doomed:
-            return
+        doomed: list[str] = []
         try:
+            if tier.backend.remote:
+                self.manager.note(tier, missing, [False] * len(missing))
+                doomed = corrupt
+            else:
+                doomed = [k for k in missing if not await self._foreign(tier, k)] + corrupt
+            if not doomed:
+                return
             await self.manager.delete(doomed, [tier])
         except AgentStateError as exc:
             self.counts["cleanup_errors"] += 1
             log.warning("tier %s: dropping %d bad chunks failed (%s); a later read or gc retries", tier.name,
                         len(doomed), exc)  # fmt: skip
+
+    async def _foreign(self, tier: Tier, key: str) -> bool:
+        """A key a local tier's read did not get is still there, intact under its own header: longer
+        than the read's bound, a value of another spec (a hybrid state asked for as KV) that is not
+        this reader's to drop. A value that is there and damaged is not foreign: dropped."""
+        if not (await tier.backend.exists([key]))[0]:
+            return False
+        value = await self.manager.read_bytes(tier, key)
+        return value is not None and codec.intact(value, key=key)
 
     def _chunk_bytes(self, tokens: int, spec: ModelSpec | None = None) -> int:
         return codec.encoded_size(tokens * (spec or self.spec).token_bytes)

@@ -201,6 +201,7 @@ async def stats(store: StateStore) -> StatsReport:
     tails = [m for m in found if m.tail_key]
     unique = sum(stored_size(store.spec, n) for n in chunks.values())
     unique += sum(stored_size(store.spec, m.tail_tokens) for m in tails)
+    unique += sum(state_size(store.spec, m) for m in {m.state_key: m for m in found if m.state_key}.values())
     record = store.chunks.record_tier
     spaces = {s.report: len(await store.chunks.scan(record, f"{s.prefix}{store.fingerprint}/")) for s in key_spaces()}
     figures = await store.stats()
