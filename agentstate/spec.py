@@ -32,6 +32,11 @@ def __getattr__(name: str) -> Any:
     return globals()[name]
 
 
+MAX_STATE_BYTES = 16 << 30
+"""Largest state a layout may describe (a 4B-class SSM hybrid's is tens of MiB, a long sliding window's
+hundreds): a spec read from a file or a directory never makes a resume allocate more."""
+
+
 class StateTensor(BaseModel):
     """One tensor of a hybrid model's state at a position: a linear-attention (Mamba, GatedDeltaNet) or
     short-conv layer's conv or recurrent state, whose size does not depend on the position, or a
@@ -93,6 +98,8 @@ class StateLayout(BaseModel):
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             raise ValueError("state tensor names must be unique")
+        if self.nbytes_at(1 << 40) > MAX_STATE_BYTES:  # a resume allocates it: bounded by what a model's can be
+            raise ValueError(f"a state of {self.nbytes_at(1 << 40)} bytes: at most {MAX_STATE_BYTES}")
         return self
 
     def nbytes_at(self, position: int) -> int:

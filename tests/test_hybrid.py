@@ -220,3 +220,23 @@ async def test_a_value_of_another_spec_read_as_kv_is_skipped_never_dropped(tmp_p
         assert await store.chunks.raw_value("lmdb", key) is not None
         assert (await tfa.resume(store, "s", model)).restored_tokens == 40
         assert store.chunks.counters().get("corrupt", 0) == 0
+
+
+def test_a_state_layout_no_model_has_is_refused_when_read(tmp_path: Path) -> None:
+    """A spec file (a directory's spec.json, a --spec file) describing a state larger than any model's
+    is a typed error before anything allocates it; so are malformed layouts."""
+    from agentstate.datadir import read_spec_file
+    from agentstate.errors import InvalidArgumentError
+
+    base = tfa.spec_for(build("lfm2"), model_id="test/lfm2").model_dump()
+    for state in ({"tensors": [{"name": "0.conv0", "shape": [1 << 24, 1 << 24], "dtype": "float32"}]},
+                  {"tensors": [{"name": "a", "shape": [4], "dtype": "int64"}]},
+                  {"tensors": [{"name": "a", "shape": [0], "dtype": "float32"}]},
+                  {"tensors": [{"name": "a/../b", "shape": [4], "dtype": "float32"}]},
+                  {"tensors": [{"name": "a", "shape": [4], "dtype": "float32", "window_dim": 3}]},
+                  {"tensors": [{"name": "a", "shape": [4], "dtype": "float32"}] * 2},
+                  {"tensors": []}):  # fmt: skip
+        file = tmp_path / "spec.json"
+        file.write_text(__import__("json").dumps({**base, "state": state}))
+        with pytest.raises(InvalidArgumentError):
+            read_spec_file(file)
