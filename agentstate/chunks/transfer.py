@@ -63,7 +63,7 @@ class Transfer:
         self.read_only = read_only
         self._background: set[asyncio.Future[object]] = set()
 
-    async def _forget(self, tier: Tier, missing: list[str], corrupt: list[str]) -> None:
+    async def _forget(self, tier: Tier, missing: list[str], corrupt: list[str], limits: dict[str, int]) -> None:
         """Drop what a read found absent or damaged, so the next store rewrites it; never raises.
 
         A remote tier's "missing" may be a node that failed or another host's delete, not absence:
@@ -79,7 +79,7 @@ class Transfer:
                 self.manager.note(tier, missing, [False] * len(missing))
                 doomed = corrupt
             else:
-                doomed = [k for k in missing if not await self._foreign(tier, k)] + corrupt
+                doomed = [k for k in missing if not await self._foreign(tier, k, limits[k])] + corrupt
             if not doomed:
                 return
             await self.manager.delete(doomed, [tier])
@@ -88,14 +88,23 @@ class Transfer:
             log.warning("tier %s: dropping %d bad chunks failed (%s); a later read or gc retries", tier.name,
                         len(doomed), exc)  # fmt: skip
 
-    async def _foreign(self, tier: Tier, key: str) -> bool:
+    async def _foreign(self, tier: Tier, key: str, limit: int) -> bool:
         """A key a local tier's read did not get is still there, intact under its own header: longer
-        than the read's bound, a value of another spec (a hybrid state asked for as KV) that is not
-        this reader's to drop. A value that is there and damaged is not foreign: dropped."""
+        than the read's bound, a value of another spec of this model (a hybrid state asked for as KV,
+        a wider slice of heads) that is not this reader's to drop. `limit`: the largest such value
+        (read no further: a compressed tier's bomb stays a bomb). A value that is there and damaged,
+        or longer than any of this model's, is not foreign: dropped."""
         if not (await tier.backend.exists([key]))[0]:
             return False
-        value = await self.manager.read_bytes(tier, key)
-        return value is not None and codec.intact(value, key=key)
+        got: list[bool] = []
+        await tier.backend.read_bounded([key], lambda _, view: got.append(codec.intact(view, key=key)), [limit])
+        return bool(got and got[0])
+
+    def _largest(self, tokens: int) -> int:
+        """The largest value a key of `tokens` tokens may hold under any spec of this model: the whole
+        model's KV (every TP slice is smaller), or a hybrid model's state."""
+        state = self.spec.state.nbytes_at(1 << 40) if self.spec.state is not None else 0
+        return codec.encoded_size(max(tokens * self.spec.whole.token_bytes, state))
 
     def _chunk_bytes(self, tokens: int, spec: ModelSpec | None = None) -> int:
         return codec.encoded_size(tokens * (spec or self.spec).token_bytes)
@@ -320,7 +329,8 @@ class Transfer:
             self.manager.count(tier, read_bytes=sum(sizes_read))
         if usage is not None:
             usage[f"bytes_read:{tier.name}"] += sum(sizes_read)
-        await self._forget(tier, missing, corrupt)
+        limits = {keys[i]: self._largest(tokens[i]) for i, s in enumerate(status) if s == "missing"}
+        await self._forget(tier, missing, corrupt, limits)
         if staged is not None:
             staged.update(owned)
         good = [i for i, s in enumerate(status) if s == "ok"]
