@@ -256,8 +256,14 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         """How many leading keys are stored (the prefix SGLang may prefetch)."""
         keys = list(keys)
         n = next((i for i, k in enumerate(keys) if not valid_key(k)), len(keys))
-        present = self._run(self._present([self.storage_key(k) for k in keys[:n]])) if n else []
-        return next((i for i, hit in enumerate(present) if not hit), n)
+        return self._run(self._leading([self.storage_key(k) for k in keys[:n]])) if n else 0
+
+    async def _leading(self, keys: list[str]) -> int:
+        """How many leading pages are stored: this rank's, or brought in from what another TP size
+        stored in a shared tier (its heads of the whole page, or the slices holding them, kept
+        under this rank's key: `StateStore.lookup_keys`)."""
+        store, layout, _ = self._ready()
+        return await store.lookup_keys(keys, layout.page_size)
 
     @never_raises(lambda *_, **__: False)
     def exists(self, key: str) -> bool:

@@ -352,10 +352,11 @@ class StateStore:
         })  # fmt: skip
         return len(new) * c
 
-    async def lookup_keys(self, keys: Sequence[ChunkKey] | Sequence[str]) -> int:
+    async def lookup_keys(self, keys: Sequence[ChunkKey] | Sequence[str], chunk_tokens: int | None = None) -> int:
         """How many leading chunks of a prefix (`prefix_keys`) are stored in this store's slicing of
         heads, after bringing in those another TP size of the model stored (`agentstate.slices`):
-        read, narrowed or assembled to this rank's heads, and kept under this slicing's keys."""
+        read, narrowed or assembled to this rank's heads, and kept under this slicing's keys.
+        `chunk_tokens`: the tokens each key holds, where not this store's (an engine's own pages)."""
         n = await self.chunks.lookup(keys)
         if self.spec.state is not None:  # a hybrid prefix: up to the last boundary whose state is stored
             present = await self.chunks.present([boundary_key(k) for k in keys[:n]]) if n else []
@@ -366,7 +367,7 @@ class StateStore:
             sources = await slices.find(self.chunks, self.spec, keys, n)
             if not sources:
                 return n
-            kv = await slices.gather(self.chunks, self.spec, sources, self.chunk_tokens)
+            kv = await slices.gather(self.chunks, self.spec, sources, chunk_tokens or self.chunk_tokens)
             if kv:
                 got = [ChunkKey(keys[s.index]) for s in sources[: len(kv)]]
                 await self._store_prefix(got, kv, [ChunkKey(k) for k in keys[: n + len(kv)]])

@@ -106,7 +106,8 @@ class SGLangServer:
                  extensions_dir: str | Path, page_size: int = 16, layout: str = "layer_first",
                  interface_v1: bool = True, prefetch_threshold: int = 16, extra: dict[str, Any] | None = None,
                  storage: str | None = "agentstate", dtype: str = "float32", startup_timeout: float = 300,
-                 prefetch_policy: str | None = "wait_complete", args: list[str] | None = None) -> None:  # fmt: skip
+                 prefetch_policy: str | None = "wait_complete", args: list[str] | None = None,
+                 tp: int = 1) -> None:  # fmt: skip
         if layout not in ("layer_first", "page_first_direct"):
             raise ValueError(f"layout {layout!r}: only layer_first and page_first_direct run on CPU")
         if storage not in ("agentstate", "file", None):
@@ -120,6 +121,7 @@ class SGLangServer:
         self.prefetch_threshold, self.extra, self.storage = prefetch_threshold, dict(extra or {}), storage
         self.dtype, self.startup_timeout, self.more_args = dtype, startup_timeout, list(args or [])
         self.prefetch_policy = prefetch_policy
+        self.tp = tp
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.tmpdir = self.work / "tmp"
@@ -145,6 +147,8 @@ class SGLangServer:
                 "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-io-backend", "direct",
                 "--hicache-mem-layout", self.layout, "--log-level", "info",
                 "--enable-metrics"]  # fmt: skip
+        if self.tp > 1:
+            args += ["--tp-size", str(self.tp)]
         if self.storage is not None:
             extra: dict[str, Any] = {"prefetch_threshold": self.prefetch_threshold}
             if self.storage == "agentstate":
@@ -173,6 +177,10 @@ class SGLangServer:
         self.port = free_port()
         self._shm_before = set(os.listdir(SHM)) if SHM.is_dir() else set()
         env = _env(self.tmpdir, self.extensions_dir)
+        if self.tp > 1:  # SGLang binds each rank to a NUMA node of its own unless told which CPUs: one node here
+            cpus, per = sorted(os.sched_getaffinity(0)), max(1, len(os.sched_getaffinity(0)) // self.tp)
+            groups = [cpus[min(r * per, len(cpus) - 1) :][:per] for r in range(self.tp)]
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
         if self.storage == "file":
             env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(self.data_dir)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - the server writes to it until stop()

@@ -490,3 +490,39 @@ def test_prefixes_cross_over_one_redis_tier_while_both_run(
         transformers_continues(lm, open_store, d)
     finally:
         server.stop()
+
+
+def test_pages_cross_tp_sizes_over_one_redis_tier(tmp: Path, model: str, extensions: Path, redis_server: Any) -> None:
+    """A TP 1 server and a TP 2 server (each rank its own directory) over one Redis tier, both running:
+    the TP 2 ranks take their heads of the pages TP 1 stored (a storage hit, outputs as TP 1's cold run
+    within the tolerance TP 1 and TP 2 have with each other), and the TP 1 server takes the pages the
+    two ranks stored as halves, assembled (agentstate.slices)."""
+    ns = f"tp-{uuid.uuid4().hex[:8]}"
+    extra = {**EXTRA, "tiers": [{"kind": "host"}, {"kind": "redis", "url": redis_server.url, "prefix": f"{ns}:"}]}
+    a, b = prompt(16, 601), prompt(16, 602)
+
+    def close(x: dict[str, Any], y: dict[str, Any]) -> bool:
+        return x["output_ids"] == y["output_ids"] and all(
+            math.isclose(p, q, abs_tol=1e-3) for p, q in zip(logprobs(x), logprobs(y))
+        )
+
+    one = SGLangServer(model, tmp / "tp-one", data_dir=tmp / "tp-data-one", extensions_dir=extensions, page_size=16,
+                       extra=extra).start()  # fmt: skip
+    try:
+        before = one.metrics().get("backuped_tokens_total", 0.0)
+        cold_a = one.generate(a, MAX_NEW)
+        one.wait_backed_up(int(before) + full(16))
+        with SGLangServer(model, tmp / "tp-two", data_dir=tmp / "tp-data-two", extensions_dir=extensions,
+                          page_size=16, extra=extra, tp=2) as two:  # fmt: skip
+            hit_a = two.generate(a, MAX_NEW)
+            before = two.metrics().get("backuped_tokens_total", 0.0)
+            cold_b = two.generate(b, MAX_NEW)
+            two.wait_backed_up(int(before) + full(16))
+        hit_b = one.generate(b, MAX_NEW)
+    finally:
+        one.stop()
+    assert not cached(cold_a).get("storage") and not cached(cold_b).get("storage")
+    assert cached(hit_a).get("storage") == full(16), cached(hit_a)
+    assert cached(hit_b).get("storage") == full(16), cached(hit_b)
+    assert close(hit_a, cold_a) and close(hit_b, cold_b)
+    assert sorted(p.name for p in (tmp / "tp-data-two").iterdir()) == ["tp0-2.pp0-1.cp0-1", "tp1-2.pp0-1.cp0-1"]
