@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from agentstate import StateStore
 from agentstate.adapters import transformers as tfa
+from agentstate.adapters import transformers_state
 from agentstate.errors import KVShapeError, SessionNotFoundError
 from agentstate.keys import boundary_key
 from agentstate.ops.admin import inspect_session, list_sessions
@@ -141,7 +142,7 @@ async def test_bad_model_state_is_refused_and_changes_nothing(tmp_path: Path) ->
     spec = tfa.spec_for(model, model_id="test/lfm2")
     ids = tokens(40, seed=4)
     _, cache = run(model, ids)
-    kv, state, _ = tfa.hybrid.split(cache, spec)
+    kv, state, _ = transformers_state.split(cache, spec)
     async with open_store(tmp_path / "d", spec) as store:
         await store.snapshot("kept", ids, kv, model_state=state)
         with pytest.raises(KVShapeError, match="model_state"):
