@@ -8,9 +8,7 @@ hit up to the last boundary whose state is stored; bad input is a typed error an
 
 from __future__ import annotations
 
-import asyncio
 import copy
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 

@@ -8,7 +8,7 @@ as in a fleet where engines of several TP sizes share one remote store.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
