@@ -70,6 +70,9 @@ def unpack(spec: ModelSpec, payload: torch.Tensor, position: int) -> dict[str, t
     at = 0
     for t in layout.tensors:
         n = t.nbytes_at(position)
-        out[t.name] = flat[at : at + n].view(specs.DTYPES[t.dtype]).view(t.shape_at(position))
+        part = flat[at : at + n]
+        if at % specs.ITEMSIZE[t.dtype]:  # a tensor after one of an odd byte count: a view would be misaligned
+            part = part.clone()
+        out[t.name] = part.view(specs.DTYPES[t.dtype]).view(t.shape_at(position))
         at += n
     return out

@@ -239,3 +239,31 @@ def test_a_state_layout_no_model_has_is_refused_when_read(tmp_path: Path) -> Non
         file.write_text(__import__("json").dumps({**base, "state": state}))
         with pytest.raises(InvalidArgumentError):
             read_spec_file(file)
+
+
+async def test_every_state_tensor_comes_back_bit_for_bit_whatever_its_size_and_dtype(tmp_path: Path) -> None:
+    """A layout of tensors of odd byte counts and mixed dtypes (each after the other in one value):
+    snapshot, restart, resume give back every byte, NaNs and infinities included."""
+    from agentstate import ModelSpec
+    from agentstate.spec import StateLayout, StateTensor
+
+    layout = StateLayout(tensors=(
+        StateTensor(name="0.conv0", shape=(1, 3, 3), dtype="bfloat16"),
+        StateTensor(name="0.recurrent0", shape=(1, 5, 7), dtype="float32"),
+        StateTensor(name="1.keys", shape=(1, 1, 9, 3), dtype="float16", window_dim=2),
+        StateTensor(name="2.bytes", shape=(7,), dtype="uint8"),
+    ))  # fmt: skip
+    spec = ModelSpec(model_id="test/odd", num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32", state=layout)
+    g = torch.Generator().manual_seed(9)
+    for n in (5, 40):  # a window not yet full, then full
+        state = {t.name: torch.randint(0, 256, (t.nbytes_at(n),), generator=g, dtype=torch.uint8).view(
+            {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16, "uint8": torch.uint8}[t.dtype]
+        ).view(t.shape_at(n)) for t in layout.tensors}  # fmt: skip
+        kv = torch.randn(spec.kv_shape(n))
+        async with open_store(tmp_path / f"d{n}", spec) as store:
+            await store.snapshot("s", list(range(3, 3 + n)), kv, model_state=state)
+        async with open_store(tmp_path / f"d{n}", spec) as store:
+            got = await store.resume("s")
+        assert got.complete and got.model_state is not None and torch.equal(got.kv, kv)
+        for name, want in state.items():
+            assert got.model_state[name].view(torch.uint8).equal(want.view(torch.uint8)), name
