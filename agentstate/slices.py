@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from agentstate.chunks.transfer import place
 from agentstate.keys import respec
 from agentstate.spec import ModelSpec
 
@@ -145,6 +144,6 @@ async def read_into(
 
     def deliver(i: int, kv: torch.Tensor) -> None:
         start, n = spans[i]
-        place(target, start, n, kv[:, :, :n, first - a : end - a])
+        target.write(start, kv[:, :, :n, first - a : end - a])
 
     return await chunks.read_as(source, keys, [n for _, n in spans], deliver, lossy)
