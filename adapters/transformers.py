@@ -165,8 +165,8 @@ def spec_for(
 def _check_compatible(spec: ModelSpec, model: PreTrainedModel) -> None:
     """Refuse, before any IO, to load a store's state into a model of another shape or dtype."""
     config = _text_config(model)
-    if _hybrid(config) or spec.state is not None:
-        shape = _cache_shape(model, None) if _hybrid(config) else None
+    shape = _cache_shape(model, None) if _hybrid(config) else None
+    if shape is not None or spec.state is not None:
         have_h = (len(shape.kv_layers), shape.kv_heads, shape.head_dim, shape.state) if shape else None
         if have_h != (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.state):
             raise SpecMismatchError("the model's layers (full attention, sliding, linear state) are not the store's spec's")
@@ -286,6 +286,17 @@ def _covering(store: StateStore, tokens: Tokens, cache: DynamicCache) -> list[in
     return toks
 
 
+def _hybrid_covering(
+    store: StateStore, tokens: Tokens, cache: DynamicCache
+) -> tuple[list[int], torch.Tensor, dict[str, torch.Tensor]]:
+    """(tokens, full-attention KV, model state) of a hybrid cache that has seen exactly `tokens`."""
+    kv, carried, seen = hybrid.split(cache, store.spec)
+    toks = _token_list(tokens)
+    if seen != len(toks):
+        raise KVShapeError(f"cache has seen {seen} tokens, {len(toks)} token ids given: they must be the same tokens")
+    return toks, kv, carried
+
+
 async def snapshot(
     store: StateStore,
     session_id: str,
@@ -302,10 +313,7 @@ async def snapshot(
     A hybrid model's state (its sliding windows, SSM and conv states) is stored with it.
     """
     if store.spec.state is not None:
-        kv, carried, seen = hybrid.split(cache, store.spec)
-        toks = _token_list(tokens)
-        if seen != len(toks):
-            raise KVShapeError(f"cache has seen {seen} tokens, {len(toks)} token ids given: they must be the same tokens")
+        toks, kv, carried = _hybrid_covering(store, tokens, cache)
         return await store.snapshot(session_id, toks, kv, state, ttl_seconds=ttl_seconds, pinned=pinned,
                                     model_state=carried)  # fmt: skip
     toks = _covering(store, tokens, cache)
@@ -413,10 +421,7 @@ async def put_prefix(store: StateStore, tokens: Tokens, cache: DynamicCache) -> 
     A hybrid model's cache must have seen whole chunks (its state is the boundary a later
     `load_prefix` resumes from; `prefill` stores one every few chunks)."""
     if store.spec.state is not None:
-        kv, carried, seen = hybrid.split(cache, store.spec)
-        toks = _token_list(tokens)
-        if seen != len(toks):
-            raise KVShapeError(f"cache has seen {seen} tokens, {len(toks)} token ids given: they must be the same tokens")
+        toks, kv, carried = _hybrid_covering(store, tokens, cache)
         return await store.put_prefix(toks, kv, model_state=carried)
     toks = _covering(store, tokens, cache)
     chunked = len(toks) // store.chunk_tokens * store.chunk_tokens

@@ -12,6 +12,7 @@ It is valid after exactly the tokens the cache has seen, so it is taken and give
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,6 @@ class CacheShape:
     kv_layers: tuple[int, ...]
     kv_heads: int
     head_dim: int
-    dtype: torch.dtype
     state: StateLayout | None
 
 
@@ -57,6 +57,14 @@ def _parts(layer: object) -> tuple[bool, bool, bool]:
     return kind
 
 
+def _states(i: int, layer: object) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of each conv and recurrent state a linear-attention layer `i` holds."""
+    for j in range(layer.number_of_states):  # type: ignore[attr-defined]
+        for part, found in (("conv", layer.conv_states[j]), ("recurrent", layer.recurrent_states[j])):  # type: ignore[attr-defined]
+            if found is not None:
+                yield f"{i}.{part}{j}", found
+
+
 def shape_of(cache: DynamicCache) -> CacheShape:
     """The shape of a cache that has seen at least one token (a model's first forward makes its
     linear-attention states), batch size 1."""
@@ -64,7 +72,7 @@ def shape_of(cache: DynamicCache) -> CacheShape:
     if not isinstance(layers, list) or not layers:
         raise InvalidArgumentError(f"expected a transformers DynamicCache, got {type(cache).__name__}")
     kv_layers, tensors = [], []
-    kv_shape: tuple[int, int, torch.dtype] | None = None
+    kv_shape: tuple[int, int] | None = None
     for i, layer in enumerate(layers):
         full, sliding, linear = _parts(layer)
         if full or sliding:
@@ -73,26 +81,22 @@ def shape_of(cache: DynamicCache) -> CacheShape:
                 raise KVShapeError(f"layer {i}: batch size 1 and at least one token are needed to read its shape")
             if full:
                 kv_layers.append(i)
-                kv_shape = (keys.shape[1], keys.shape[3], keys.dtype)
+                kv_shape = (keys.shape[1], keys.shape[3])
             else:
                 window = int(layer.sliding_window) - 1  # type: ignore[attr-defined]
                 shape = (1, keys.shape[1], window, keys.shape[3])
                 tensors += [StateTensor(name=f"{i}.{part}", shape=shape, dtype=DTYPE_NAMES[keys.dtype], window_dim=2)
                             for part in ("keys", "values")]  # fmt: skip
-        if linear:
-            for j in range(layer.number_of_states):  # type: ignore[attr-defined]
-                for part, found in (("conv", layer.conv_states[j]), ("recurrent", layer.recurrent_states[j])):  # type: ignore[attr-defined]
-                    if found is not None:
-                        if found.shape[0] != 1:
-                            raise KVShapeError(f"layer {i}: batch size {found.shape[0]}; one sequence per session")
-                        tensors.append(StateTensor(name=f"{i}.{part}{j}", shape=tuple(found.shape),
-                                                   dtype=DTYPE_NAMES[found.dtype]))  # fmt: skip
+        for name, found in _states(i, layer) if linear else ():
+            if found.shape[0] != 1:
+                raise KVShapeError(f"layer {i}: batch size {found.shape[0]}; one sequence per session")
+            tensors.append(StateTensor(name=name, shape=tuple(found.shape), dtype=DTYPE_NAMES[found.dtype]))
     if kv_shape is None:
         raise UnsupportedLayerError("no full-attention layer: a model without per-token KV is not stored yet")
-    return CacheShape(tuple(kv_layers), kv_shape[0], kv_shape[1], kv_shape[2], StateLayout(tensors=tuple(tensors)) if tensors else None)
+    return CacheShape(tuple(kv_layers), kv_shape[0], kv_shape[1], StateLayout(tensors=tuple(tensors)) if tensors else None)
 
 
-def position_of(cache: DynamicCache, spec: ModelSpec) -> int:
+def position_of(cache: DynamicCache) -> int:
     """How many tokens the cache has seen (every layer agreeing)."""
     seen = set()
     for layer in cache.layers:
@@ -112,7 +116,7 @@ def split(cache: DynamicCache, spec: ModelSpec) -> tuple[torch.Tensor, dict[str,
     shape = shape_of(cache)
     if shape.state != spec.state or len(shape.kv_layers) != spec.num_layers:
         raise KVShapeError("the cache's layers are not those of the store's spec (another model?)")
-    n = position_of(cache, spec)
+    n = position_of(cache)
     kv = spec.empty_kv(n)
     state: dict[str, torch.Tensor] = {}
     for k, i in enumerate(shape.kv_layers):
@@ -123,11 +127,7 @@ def split(cache: DynamicCache, spec: ModelSpec) -> tuple[torch.Tensor, dict[str,
         _, sliding, linear = _parts(layer)
         if sliding:
             state[f"{i}.keys"], state[f"{i}.values"] = layer.keys, layer.values  # type: ignore[attr-defined]
-        if linear:
-            for j in range(layer.number_of_states):  # type: ignore[attr-defined]
-                for part, found in (("conv", layer.conv_states[j]), ("recurrent", layer.recurrent_states[j])):  # type: ignore[attr-defined]
-                    if found is not None:
-                        state[f"{i}.{part}{j}"] = found
+        state.update(_states(i, layer) if linear else ())
     return kv, state, n
 
 

@@ -13,7 +13,7 @@ collected with it: a resume gets the KV and the state of the same version, or ne
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agentstate.errors import KVShapeError
 from agentstate import spec as specs
@@ -22,11 +22,39 @@ from agentstate.spec import ModelSpec, StateLayout
 if TYPE_CHECKING:
     import torch
 
+    from agentstate.chunks import ChunkStore
+
 
 def layout_of(spec: ModelSpec) -> StateLayout:
     if spec.state is None:
         raise KVShapeError(f"spec {spec.model_id} holds no model state (every layer is full attention)")
     return spec.state
+
+
+def checked(spec: ModelSpec, tensors: Any, position: int) -> torch.Tensor | None:
+    """`tensors` packed (`pack`) when `spec` is a hybrid model's, None when it is a dense model's and
+    none are given; KVShapeError when one is given without the other: what every write that takes a
+    model state (a snapshot, a prefix boundary) checks before anything is written."""
+    if (tensors is None) != (spec.state is None):
+        raise KVShapeError(
+            "this spec is a hybrid model's: pass model_state= (its state after the last token)" if tensors is None
+            else "model_state= is a hybrid model's state; this spec has no state layout"
+        )
+    return None if tensors is None else pack(spec, tensors, position)
+
+
+async def read(chunks: ChunkStore, spec: ModelSpec, key: str, position: int) -> dict[str, torch.Tensor] | None:
+    """The state stored under `key` (after `position` tokens) from the fastest tier holding it intact,
+    read as `spec.state_spec`'s value; None when none does (the key pinned by the caller)."""
+    import torch
+
+    layout, encoded = layout_of(spec), spec.state_spec
+    assert encoded is not None  # a spec with a layout has one
+    size = layout.nbytes_at(position)
+    payload = torch.empty(encoded.kv_shape(size), dtype=torch.uint8)
+    await chunks.discover([key])
+    ok = await chunks.read_as(encoded, [key], [size], lambda _, src: payload.copy_(src))
+    return unpack(spec, payload, position) if ok[0] else None
 
 
 def pack(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], position: int) -> torch.Tensor:

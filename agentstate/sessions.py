@@ -197,7 +197,7 @@ class Sessions:
         lossy: set[str] = set()
         carried = None
         with self.chunks.pinned(named_keys(manifest)):
-            await self.chunks.discover(named_keys(manifest))
+            await self.chunks.discover(keys)
             # the manifest's chunk size, not this store's: a directory reopened with another
             # chunk_tokens still resumes what it holds
             spans = self.scope.spans(len(manifest.chunk_keys), manifest.num_tokens, manifest.chunk_tokens)
@@ -206,7 +206,7 @@ class Sessions:
             else:
                 ok = await slices.read_into(self.chunks, source, self.spec, keys, spans, target, lossy)
             if manifest.state_key and all(ok) and source is None:
-                carried = await self._model_state(manifest)
+                carried = await model_state.read(self.chunks, self.spec, manifest.state_key, manifest.num_tokens)
         target.synchronize()
         lead = leading(ok)
         if manifest.state_key and carried is None:
@@ -234,18 +234,6 @@ class Sessions:
             manifest=manifest, kv=kv[:, :, :restored] if kv is not None else None, restored_tokens=restored,
             exact=exact, model_state=carried,
         )
-
-    async def _model_state(self, manifest: SessionManifest) -> dict[str, torch.Tensor] | None:
-        """A hybrid session's state after its last token (`agentstate.model_state`); None when no tier
-        holds it intact (keys pinned)."""
-        import torch
-
-        spec = self.spec.state_spec
-        assert spec is not None and manifest.state_key is not None and self.spec.state is not None
-        size = self.spec.state.nbytes_at(manifest.num_tokens)
-        payload = torch.empty(spec.kv_shape(size), dtype=torch.uint8)
-        ok = await self.chunks.read_as(spec, [manifest.state_key], [size], lambda _, src: payload.copy_(src))
-        return model_state.unpack(self.spec, payload, manifest.num_tokens) if ok[0] else None
 
     async def fork(self, source_id: str, new_id: str) -> SessionManifest:
         """A new session sharing every chunk of `source_id` (no copy); only the small tail and the

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 import agentstate.manifest as manifests  # its clock read through the module: a test that sets it sets it here
 from agentstate.catalog import named_keys
-from agentstate.errors import InvalidArgumentError, KVShapeError
+from agentstate.errors import InvalidArgumentError
 from agentstate import model_state
 from agentstate.keys import ChunkKey, state_key, tail_key, token_array, validate_id
 from agentstate.manifest import SessionManifest
@@ -111,12 +111,7 @@ def check_snapshot(
             f"guaranteed_until is {guaranteed_until - stamp:.0f}s away, but the record tier"
             f" {scope.chunks.record_tier!r} expires chunks after {record_ttl:g}s: the contract could not be kept"
         )
-    if (state_tensors is None) != (scope.spec.state is None):
-        raise KVShapeError(
-            "this spec is a hybrid model's: pass model_state= (its state after the last token)" if state_tensors is None
-            else "model_state= is a hybrid model's state; this spec has no state layout"
-        )
-    payload = None if state_tensors is None else model_state.pack(scope.spec, state_tensors, len(packed))
+    payload = model_state.checked(scope.spec, state_tensors, len(packed))
     keys = scope.prefix_keys(packed)  # a session's chunks are the prefix's: stored once (see key_scheme)
     return SnapshotRequest(session_id, packed, keys, state, ttl_seconds, guaranteed_until, pinned, payload)
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer,
+    model_validator,
+)  # fmt: skip
 
 from agentstate.errors import InvalidArgumentError, KVShapeError
 
@@ -32,6 +35,15 @@ def __getattr__(name: str) -> Any:
     return globals()[name]
 
 
+def _known_dtype(value: str) -> str:
+    if value not in ITEMSIZE:
+        raise ValueError(f"dtype must be one of {sorted(ITEMSIZE)}, got {value!r}")
+    return value
+
+
+Dtype = Annotated[str, AfterValidator(_known_dtype)]
+"""A dtype by name, one ITEMSIZE knows (a KV dtype, or a state tensor's)."""
+
 MAX_STATE_BYTES = 16 << 30
 """Largest state a layout may describe (a 4B-class SSM hybrid's is tens of MiB, a long sliding window's
 hundreds): a spec read from a file or a directory never makes a resume allocate more."""
@@ -47,7 +59,7 @@ class StateTensor(BaseModel):
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     shape: tuple[int, ...] = Field(min_length=1, max_length=8)
-    dtype: str
+    dtype: Dtype
     window_dim: int | None = Field(default=None, ge=0)
 
     @field_validator("shape")
@@ -55,13 +67,6 @@ class StateTensor(BaseModel):
     def _positive(cls, value: tuple[int, ...]) -> tuple[int, ...]:
         if any(d <= 0 or d > 1 << 24 for d in value):
             raise ValueError(f"every dimension must be in 1..2**24, got {value}")
-        return value
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, value: str) -> str:
-        if value not in ITEMSIZE:
-            raise ValueError(f"dtype must be one of {sorted(ITEMSIZE)}, got {value!r}")
         return value
 
     @model_validator(mode="after")
@@ -119,7 +124,7 @@ class ModelSpec(BaseModel):
 
     model_id: str = Field(min_length=1, max_length=256)
     revision: str = Field(default="main", max_length=128)
-    dtype: str = "bfloat16"
+    dtype: Dtype = "bfloat16"
     num_layers: int = Field(gt=0, le=1024)
     kv_planes: int = Field(default=2, ge=1, le=2, description="2 for K and V, 1 for an MLA latent")
     num_kv_heads: int = Field(gt=0, le=1024)
@@ -139,13 +144,6 @@ class ModelSpec(BaseModel):
         if self.state is None:
             data.pop("state", None)
         return data
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, value: str) -> str:
-        if value not in ITEMSIZE:
-            raise ValueError(f"dtype must be one of {sorted(ITEMSIZE)}, got {value!r}")
-        return value
 
     @model_validator(mode="after")
     def _rank_in_range(self) -> ModelSpec:

@@ -246,47 +246,34 @@ class StateStore:
         packed = token_array(tokens)
         self.spec.check_kv(kv, len(packed))
         keys = self._scope.prefix_keys(packed)
-        boundary = None
-        if self.spec.state is not None or model_state is not None:
-            boundary = self._boundary(packed, keys, model_state)
+        payload = model_state_codec.checked(self.spec, model_state, len(packed))
+        boundary = None if payload is None else self._boundary(packed, keys, payload)
         stored = await self._store_prefix(keys, self._scope.slices(kv, len(keys)), keys, boundary)
         self.chunks.learn(keys, packed)
         return stored
 
-    def _boundary(
-        self, packed: array, keys: list[ChunkKey], model_state: Mapping[str, torch.Tensor] | None
-    ) -> tuple[str, torch.Tensor]:
-        """(key, payload) of a hybrid prefix's state after its last token; KVShapeError where there is none."""
-        if self.spec.state is None:
-            raise KVShapeError("model_state= is a hybrid model's state; this spec has no state layout")
-        if model_state is None:
-            raise KVShapeError("a hybrid model's prefix needs model_state= (its state after the last token)")
+    def _boundary(self, packed: array, keys: list[ChunkKey], payload: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """(key, payload) of a hybrid prefix's state after its last token; KVShapeError unless the
+        prefix is whole chunks (the state is valid after its last token only)."""
         if not keys or len(packed) != len(keys) * self.chunk_tokens:
             raise KVShapeError(
                 f"a hybrid model's prefix is whole chunks of {self.chunk_tokens} tokens (its state is valid after"
                 f" the last one only), got {len(packed)} tokens"
             )
-        return boundary_key(keys[-1]), model_state_codec.pack(self.spec, model_state, len(packed))
+        return boundary_key(keys[-1]), payload
 
     async def prefix_state(self, tokens: Sequence[int] | torch.Tensor, num_tokens: int) -> dict[str, torch.Tensor] | None:
         """A hybrid model's state after the first `num_tokens` of `tokens` (a boundary a `load`
         stopped at: whole chunks), or None when no tier holds it intact."""
-        import torch
-
         packed = token_array(tokens)
-        spec, layout = self.spec.state_spec, self.spec.state
         c = self.chunk_tokens
-        if spec is None or layout is None:
+        if self.spec.state is None:
             raise KVShapeError("this spec has no state layout: a dense model's prefix is its KV alone")
         if num_tokens <= 0 or num_tokens % c or num_tokens > len(packed):
             raise InvalidArgumentError(f"a boundary is a whole number of {c}-token chunks within the tokens, got {num_tokens}")
         key = boundary_key(self._scope.prefix_keys(packed[:num_tokens])[-1])
-        size = layout.nbytes_at(num_tokens)
-        payload = torch.empty(spec.kv_shape(size), dtype=torch.uint8)
         with self.chunks.pinned([key]):
-            await self.chunks.discover([key])
-            ok = await self.chunks.read_as(spec, [key], [size], lambda _, src: payload.copy_(src))
-        return model_state_codec.unpack(self.spec, payload, num_tokens) if ok[0] else None
+            return await model_state_codec.read(self.chunks, self.spec, key, num_tokens)
 
     async def put_chunks(
         self, tokens: Sequence[int] | torch.Tensor, chunks: Mapping[int, torch.Tensor | NativeKV]

@@ -92,11 +92,6 @@ def stored_size(spec: ModelSpec, tokens: int) -> int:
     return codec.encoded_size(tokens * spec.token_bytes)
 
 
-def session_keys(manifest: SessionManifest) -> list[str]:
-    """Its chunks, its tail and a hybrid model's state after its last token, in that order."""
-    return named_keys(manifest)
-
-
 def state_size(spec: ModelSpec, m: SessionManifest) -> int:
     """Stored bytes of a hybrid session's state (0 for a dense one)."""
     if m.state_key is None or spec.state is None:
@@ -133,7 +128,7 @@ async def other_tenants(store: StateStore) -> dict[str, int]:
 async def inspect_session(store: StateStore, session_id: str) -> SessionDetail:
     """A session's manifest, and for every chunk: its key, size and which tiers hold it."""
     m = await store.session(session_id)
-    keys = session_keys(m)
+    keys = named_keys(m)
     await store.chunks.discover(keys)
     chunks = []
     for i, key in enumerate(keys):
@@ -251,5 +246,5 @@ async def evict(
         raise InvalidArgumentError("evict needs either a byte budget or sessions, not both")
     if budget_bytes is not None and budget_bytes < 0:
         raise InvalidArgumentError(f"byte budget must be >= 0, got {budget_bytes}")
-    wanted = [k for sid in sessions for k in session_keys(await store.session(sid))]
+    wanted = [k for sid in sessions for k in named_keys(await store.session(sid))]
     return await store.chunks.evict(tier_name, budget_bytes=budget_bytes, keys=wanted if sessions else None)

@@ -14,7 +14,8 @@ from agentstate.chunks import batches
 from agentstate.edges import key_spaces
 from agentstate.errors import AgentStateError, CorruptDataError
 from agentstate.keys import CHUNK_PREFIX, TAIL_PREFIX, is_state_key
-from agentstate.ops.admin import QUIET, Progress, session_keys, stored_size
+from agentstate.catalog import named_keys
+from agentstate.ops.admin import QUIET, Progress, stored_size
 from agentstate.spec import ModelSpec
 from agentstate.store import StateStore
 
@@ -116,12 +117,12 @@ async def verify(store: StateStore, *, repair: bool = False, progress: Progress 
         )  # fmt: skip
         checks.append(check)
     restored = await _restore_record(store, record_lacks, checks) if repair else set()
-    orphans = await _orphans(store, record_held, {k for m in every for k in session_keys(m)})
+    orphans = await _orphans(store, record_held, {k for m in every for k in named_keys(m)})
     catalog_lost = bool(record_held) and len(orphans) == len(set(record_held))
     missing = [k for k in missing if k not in restored]
     affected = []
     for m in manifests:
-        keys = session_keys(m)
+        keys = named_keys(m)
         lost = [k for k in keys if k not in good]
         if lost:
             lead = next(i for i, k in enumerate(keys) if k not in good)
