@@ -276,8 +276,9 @@ class StateStore:
             return await model_state_codec.read(self.chunks, self.spec, key, num_tokens)
 
     async def put_chunks(
-        self, tokens: Sequence[int] | torch.Tensor, chunks: Mapping[int, torch.Tensor | NativeKV]
-    ) -> int:
+        self, tokens: Sequence[int] | torch.Tensor, chunks: Mapping[int, torch.Tensor | NativeKV], *,
+        model_state: Mapping[str, torch.Tensor] | None = None,
+    ) -> int:  # fmt: skip
         """Store some full chunks of a shared prefix, by chunk index, without the KV of the others:
         what an engine that saves chunk by chunk as it computes them calls (the vLLM connector).
 
@@ -286,23 +287,31 @@ class StateStore:
         (`NativeKV`: stored as it is, converted for readers of another layout). Chunks already stored are skipped; the
         prefix through the last given chunk is recorded (kept until removed, as `put_prefix`).
         Returns how many tokens were newly stored.
+
+        A hybrid model's (its spec has a state layout) may come with `model_state`, its state after
+        the last token of `tokens` (whole chunks): a boundary a later load may stop at. Its chunks
+        stored without one are a hit only up to an earlier boundary (`lookup_keys`).
         """
         packed = token_array(tokens)
         keys = self._scope.prefix_keys(packed)
-        if not chunks:
+        if not chunks and model_state is None:
             return 0
-        if min(chunks) < 0 or max(chunks) >= len(keys):
+        if chunks and (min(chunks) < 0 or max(chunks) >= len(keys)):
             raise InvalidArgumentError(f"chunk indices {sorted(chunks)} outside the {len(keys)} full chunks of tokens")
-        if self.spec.state is not None:
-            raise KVShapeError("a hybrid model's prefix is stored whole with its state (put_prefix(model_state=))")
         for kv in chunks.values():
             if isinstance(kv, NativeKV):
                 kv.check(self.spec, self.chunk_tokens)
             else:
                 self.spec.check_kv(kv, self.chunk_tokens)
+        boundary = None
+        if model_state is not None:  # checked (a dense spec refuses it) before anything is written
+            payload = model_state_codec.checked(self.spec, model_state, len(packed))
+            assert payload is not None
+            boundary = self._boundary(packed, keys, payload)
         order = sorted(chunks)
-        stored = await self._store_prefix([keys[i] for i in order], [chunks[i] for i in order], keys[: order[-1] + 1])
-        self.chunks.learn(keys[: order[-1] + 1], packed)
+        prefix = keys if boundary is not None else keys[: order[-1] + 1]
+        stored = await self._store_prefix([keys[i] for i in order], [chunks[i] for i in order], prefix, boundary)
+        self.chunks.learn(prefix, packed)
         return stored
 
     async def _store_prefix(

@@ -131,6 +131,21 @@ class GuardedTarget(KVTarget):
                     self.done.add(placed)
                 self._guard.notify_all()
 
+    def run_guarded(self, copy: Callable[[], None]) -> bool:
+        """Run a copy into this target's memory that is not a chunk (a hybrid model's state), unless the
+        target is closed; whether it ran."""
+        with self._guard:
+            if self._closed:
+                return False
+            self._active += 1
+        try:
+            copy()
+        finally:
+            with self._guard:
+                self._active -= 1
+                self._guard.notify_all()
+        return True
+
     def close(self) -> set[int]:
         """Refuse further copies, wait for those under way; what was written in full."""
         with self._guard:

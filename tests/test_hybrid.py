@@ -152,8 +152,10 @@ async def test_bad_model_state_is_refused_and_changes_nothing(tmp_path: Path) ->
             await store.snapshot("s", ids, kv, model_state={**state, "9.conv0": torch.zeros(1)})
         with pytest.raises(KVShapeError):
             await store.snapshot("s", ids, kv, model_state={k: v.double() for k, v in state.items()})
-        with pytest.raises(KVShapeError):
-            await store.put_chunks(ids[:C], {0: kv[:, :, :C]})
+        with pytest.raises(KVShapeError):  # a boundary's state of the wrong shape: nothing written
+            await store.put_chunks(ids[:C], {0: kv[:, :, :C]}, model_state=wrong)
+        with pytest.raises(KVShapeError):  # a boundary is whole chunks
+            await store.put_chunks(ids[: C + 3], {0: kv[:, :, :C]}, model_state=state)
         with pytest.raises(KVShapeError):
             await store.put_prefix(ids[: C + 3], kv[:, :, : C + 3], model_state=state)
         with pytest.raises(SessionNotFoundError):

@@ -41,10 +41,7 @@ def make_model(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 2,
     prompt opens the assistant's turn as the template renders a past one, so a turn's prompt
     extends the previous turn's tokens exactly."""
     import torch
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -58,6 +55,17 @@ def make_model(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 2,
         for p in model.parameters():
             p.mul_(4.0)
     model.save_pretrained(path, safe_serialization=True)
+    _tokenizer(path, vocab, chat)
+    return path
+
+
+def _tokenizer(path: str, vocab: int, chat: bool) -> None:
+    """A WordLevel tokenizer of words t<id> (see make_model's `chat`)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
     specials = ["<unk>", "</s>", "<s>"] if chat else ["t0", "t1", "t2"]
     vocab_map = {**{name: i for i, name in enumerate(specials)}, **{f"t{i}": i for i in range(3, vocab)}}
     tok = Tokenizer(WordLevel(vocab_map, unk_token=specials[0]))
@@ -67,6 +75,32 @@ def make_model(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 2,
     if chat:
         fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
+
+
+def make_hybrid_model(path: str, *, layers: int = 4, vocab: int = 512, seed: int = 0) -> str:
+    """A tiny random-weight Qwen3-Next (GatedDeltaNet layers between full-attention ones, every other
+    layer) in bfloat16, with the tokenizer of `make_model`: a hybrid model vLLM's CPU backend runs
+    (its GDN kernel wants bf16 and 128-wide linear-attention heads; vLLM widens the attention blocks
+    to hold a GDN state's bytes: 288 tokens here)."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=64, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=128,
+        linear_value_head_dim=128, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4,
+        num_experts_per_tok=2, full_attention_interval=2, max_position_embeddings=16384, torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer(path, vocab, chat=False)
     return path
 
 
@@ -165,7 +199,8 @@ def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs: dict = {"model": job["model"], "dtype": "float32", "enforce_eager": True, "enable_prefix_caching": True,
+    kwargs: dict = {"model": job["model"], "dtype": job.get("dtype", "float32"), "enforce_eager": True,
+                    "enable_prefix_caching": True,
                     "max_model_len": job.get("max_model_len", 8192), "seed": 0, "disable_log_stats": False,
                     "enable_chunked_prefill": bool(job.get("chunked_prefill", False))}
     if job.get("chunked_prefill"):
@@ -185,6 +220,8 @@ def run(job: dict) -> dict:
         kwargs["distributed_executor_backend"] = "mp"
         # vLLM binds each rank's OpenMP threads to a NUMA node of its own by default: one node here
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if job.get("block_size"):
+        kwargs["block_size"] = job["block_size"]
     if job.get("num_blocks"):  # a small KV pool: requests get preempted
         kwargs["num_gpu_blocks_override"] = job["num_blocks"]
     if job.get("probe"):

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agentstate.adapters.vllm.groups import NULL_BLOCK
 from agentstate.errors import InvalidArgumentError
 from agentstate.layouts import NativeKV, blocks_kt, planes_of
 from agentstate.target import GuardedTarget
@@ -120,10 +121,13 @@ class BlocksTarget(GuardedTarget):
     def __init__(
         self, planes: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], block_size: int, first: int,
         num_tokens: int, orders: Orders = IDENTITY, stop: int | None = None,
-        native: tuple[int, list[torch.Tensor]] | None = None,
+        native: tuple[int, list[torch.Tensor]] | None = None, per_layer: list[list[int]] | None = None,
     ) -> None:  # fmt: skip
-        """`native`: (layout code, the layers' own tensors) where chunks of that layout copy as they are."""
+        """`native`: (layout code, the layers' own tensors) where chunks of that layout copy as they are;
+        `per_layer`: a hybrid model's block ids per layer (its group's), null blocks skipped."""
         super().__init__()
+        self.per_layer = per_layer
+        self.state_placed = False  # a Mamba model's load: its state went into its block
         self.planes = planes
         self.native_layout, self.layers = native if native is not None else (None, [])
         self.stop = num_tokens if stop is None else stop
@@ -136,7 +140,7 @@ class BlocksTarget(GuardedTarget):
 
     def _place(self, start: int, src: torch.Tensor) -> int:
         scatter(self.planes, self.block_ids, self.block_size, start, src[:, :, : max(0, self.stop - start)],
-                first=self.first, orders=self.orders)  # fmt: skip
+                first=self.first, orders=self.orders, per_layer=self.per_layer)  # fmt: skip
         return start
 
     def _place_native(self, start: int, n: int, src: NativeKV) -> int:
@@ -160,16 +164,38 @@ class BlocksTarget(GuardedTarget):
 
 class EngineBlocks:
     """The engine's registered KV caches, one `(K, V)` pair of block views per layer in one layout:
-    what loads write into and saves copy out of."""
+    what loads write into and saves copy out of. A hybrid model's also know each attention layer's KV
+    cache group and the Mamba layers' state tensors (`groups.py`)."""
 
     def __init__(
-        self, layout: BlockLayout, planes: list[tuple[torch.Tensor, torch.Tensor]], layers: list[torch.Tensor] | None = None
-    ) -> None:
-        """`layers`: the engine's own per-layer tensors, for native chunks (`layout.native_code`)."""
+        self, layout: BlockLayout, planes: list[tuple[torch.Tensor, torch.Tensor]], layers: list[torch.Tensor] | None = None,
+        layer_groups: list[int] | None = None, states: dict[str, torch.Tensor] | None = None,
+    ) -> None:  # fmt: skip
+        """`layers`: the engine's own per-layer tensors, for native chunks (`layout.native_code`);
+        `layer_groups`: each layer's KV cache group (a hybrid model's; its chunks stay canonical);
+        `states`: the state layout's tensors by name, `[blocks, ...]` each (a Mamba layer's, as bound)."""
         self.layout = layout
         self.planes = planes
         self.layers = layers or []
-        self.native_code = layout.native_code if self.layers and not self.is_cuda else None
+        self.layer_groups = layer_groups
+        self.states = states or {}
+        hybrid = layer_groups is not None
+        self.native_code = layout.native_code if self.layers and not self.is_cuda and not hybrid else None
+
+    def per_layer(self, groups: list[list[int]] | None) -> list[list[int]] | None:
+        """Each layer's block ids (its group's) of a request's per-group block ids; None for one group."""
+        if self.layer_groups is None or groups is None:
+            return None
+        return [groups[g] for g in self.layer_groups]
+
+    def state_at(self, block: int) -> dict[str, torch.Tensor]:
+        """The Mamba layers' state held in `block`, copied out (the block goes back to vLLM soon)."""
+        return {name: t[block].clone() for name, t in self.states.items()}
+
+    def put_state(self, block: int, state: dict[str, torch.Tensor]) -> None:
+        """Copy a stored state into `block` of every Mamba layer."""
+        for name, t in self.states.items():
+            t[block].copy_(state[name])
 
     @property
     def block_size(self) -> int:
@@ -179,15 +205,20 @@ class EngineBlocks:
     def is_cuda(self) -> bool:
         return bool(self.planes) and self.planes[0][0].is_cuda
 
-    def target(self, block_ids: list[int], first: int, num_tokens: int, stop: int) -> BlocksTarget:
-        """Where a load of tokens `first .. stop` into these blocks lands (spans may run on to `num_tokens`)."""
+    def target(
+        self, block_ids: list[int], first: int, num_tokens: int, stop: int, groups: list[list[int]] | None = None
+    ) -> BlocksTarget:
+        """Where a load of tokens `first .. stop` into these blocks lands (spans may run on to `num_tokens`);
+        `groups`: a hybrid model's block ids per KV cache group."""
         native = (self.native_code, self.layers) if self.native_code is not None else None
         return BlocksTarget(self.planes, block_ids, self.block_size, first, num_tokens, orders=self.layout.orders,
-                            stop=stop, native=native)  # fmt: skip
+                            stop=stop, native=native, per_layer=self.per_layer(groups))  # fmt: skip
 
-    def gather(self, block_ids: list[int], n: int, out: torch.Tensor) -> torch.Tensor:
-        """Canonical KV of the first `n` tokens of these blocks, copied into `out`."""
-        return gather(self.planes, block_ids, self.block_size, 0, n, out, self.layout.orders)
+    def gather(
+        self, block_ids: list[int], n: int, out: torch.Tensor, groups: list[list[int]] | None = None
+    ) -> torch.Tensor:
+        """Canonical KV of the first `n` tokens of these blocks, copied into `out` (`groups`: as `target`)."""
+        return gather(self.planes, block_ids, self.block_size, 0, n, out, self.layout.orders, self.per_layer(groups))
 
     def gather_native(self, block_ids: list[int]) -> torch.Tensor:
         """These whole blocks as they lie in memory, `[layers, blocks, heads, 2 * block_size * dim]`
@@ -201,17 +232,23 @@ class EngineBlocks:
         return out.flatten(3)
 
 
-def _runs(block_ids: list[int], block_size: int, start: int, n: int, first: int) -> list[tuple[int, int, int, int]]:
+def _runs(
+    block_ids: list[int], block_size: int, start: int, n: int, first: int, skip_null: bool = False
+) -> list[tuple[int, int, int, int]]:
     """(first block id, block count, token lo, token hi) covering tokens `start .. start+n` at or
     after `first`: whole blocks with consecutive ids merge into one run (one strided copy per layer
     and plane instead of one per block: per-call overhead dominates small models), a partial block
-    at either end is a run of its own."""
+    at either end is a run of its own. `skip_null`: tokens in vLLM's null block (a hybrid model's
+    group keeps nothing there: outside a sliding window) are left out."""
     out: list[tuple[int, int, int, int]] = []
     lo = max(start, first)
     while lo < start + n:
         j = lo // block_size
         hi = min(start + n, (j + 1) * block_size)
         b = block_ids[j]
+        if skip_null and b == NULL_BLOCK:
+            lo = hi
+            continue
         whole = lo == j * block_size and hi == (j + 1) * block_size
         if out and whole:
             b0, count, lo0, hi0 = out[-1]
@@ -255,17 +292,38 @@ def _stage(run: tuple[int, int, int, int], block_size: int, order: tuple[int, ..
     return order == TRANSPOSED_K and whole and src.stride(2) * src.element_size() >= STAGE_FROM_BYTES
 
 
+def by_group(layers: int, block_ids: list[int], per_layer: list[list[int]] | None) -> list[tuple[list[int], list[int], bool]]:
+    """(block ids, layer indices, skip null blocks) per KV cache group: one group of every layer, or,
+    for a hybrid model (`per_layer`: each layer's group's block ids), the layers sharing block ids."""
+    if per_layer is None:
+        return [(block_ids, list(range(layers)), False)]
+    found: dict[int, tuple[list[int], list[int], bool]] = {}
+    for i, ids in enumerate(per_layer):
+        found.setdefault(id(ids), (ids, [], True))[1].append(i)
+    return list(found.values())
+
+
 def scatter(
     planes: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], block_size: int, start: int,
-    src: torch.Tensor, *, first: int = 0, orders: Orders = IDENTITY,
+    src: torch.Tensor, *, first: int = 0, orders: Orders = IDENTITY, per_layer: list[list[int]] | None = None,
 ) -> None:  # fmt: skip
-    """Copy canonical `src` (tokens `start ..`) into the blocks, one strided copy per (layer, plane, run)."""
+    """Copy canonical `src` (tokens `start ..`) into the blocks, one strided copy per (layer, plane, run);
+    `per_layer`: each layer's own block ids (a hybrid model's groups; null blocks are skipped)."""
+    for ids, layers, skip in by_group(len(planes), block_ids, per_layer):
+        _scatter(planes, layers, ids, block_size, start, src, first, orders, skip)
+
+
+def _scatter(
+    planes: list[tuple[torch.Tensor, torch.Tensor]], layers: list[int], block_ids: list[int], block_size: int,
+    start: int, src: torch.Tensor, first: int, orders: Orders, skip_null: bool,
+) -> None:  # fmt: skip
     ko, vo = orders
-    for run in _runs(block_ids, block_size, start, src.shape[2], first):
+    for run in _runs(block_ids, block_size, start, src.shape[2], first, skip_null):
         lo, hi = run[2] - start, run[3] - start
         b, count = run[0], run[1]
         scratch = None
-        for layer, (k, v) in enumerate(planes):
+        for layer in layers:
+            k, v = planes[layer]
             if _stage(run, block_size, ko, src):
                 part = src[layer, 0, lo:hi].unflatten(0, (count, block_size)).permute(0, 2, 1, 3)
                 if scratch is None:
@@ -281,15 +339,20 @@ def scatter(
 
 def gather(
     planes: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], block_size: int, start: int, n: int,
-    out: torch.Tensor, orders: Orders = IDENTITY,
+    out: torch.Tensor, orders: Orders = IDENTITY, per_layer: list[list[int]] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Canonical KV `[layers, 2, n, heads, dim]` of tokens `start .. start+n`, copied out of the blocks."""
+    """Canonical KV `[layers, 2, n, heads, dim]` of tokens `start .. start+n`, copied out of the blocks
+    (`per_layer`: each layer's own block ids, none of them null: a save plans only chunks held whole)."""
     ko, vo = orders
-    for run in _runs(block_ids, block_size, start, n, 0):
-        lo, hi = run[2] - start, run[3] - start
-        for layer, (k, v) in enumerate(planes):
-            blocks, dst = _pair(k, out[layer, 0, lo:hi], run, block_size, ko)
-            dst.copy_(blocks)
-            blocks, dst = _pair(v, out[layer, 1, lo:hi], run, block_size, vo)
-            dst.copy_(blocks)
+    for ids, layers, _ in by_group(len(planes), block_ids, per_layer):
+        if per_layer is not None and NULL_BLOCK in ids[start // block_size : -(-(start + n) // block_size)]:
+            raise InvalidArgumentError(f"tokens {start}..{start + n} are no longer in the engine's blocks (a null block)")
+        for run in _runs(ids, block_size, start, n, 0):
+            lo, hi = run[2] - start, run[3] - start
+            for layer in layers:
+                k, v = planes[layer]
+                blocks, dst = _pair(k, out[layer, 0, lo:hi], run, block_size, ko)
+                dst.copy_(blocks)
+                blocks, dst = _pair(v, out[layer, 1, lo:hi], run, block_size, vo)
+                dst.copy_(blocks)
     return out

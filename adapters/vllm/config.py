@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field
 
 from agentstate.adapters.runtime import AdapterSettings
+from agentstate.adapters.vllm.groups import KVGroups, groups_of
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, InvalidArgumentError
 from agentstate import edges
@@ -70,12 +71,17 @@ class VllmSettings(AdapterSettings):
         return settings, rest
 
 
-def model_spec(vllm_config: VllmConfig, settings: VllmSettings, rank: int | None = None) -> ModelSpec:
+def model_spec(
+    vllm_config: VllmConfig, settings: VllmSettings, rank: int | None = None, groups: KVGroups | None = None
+) -> ModelSpec:
     """The ModelSpec of this engine's KV at TP rank `rank` (default: this process's): the same model
     gives the same spec in every engine, and rank r of TP n the r-th of n slices of its heads
     (`agentstate.slices`: what crosses TP sizes). Where TP exceeds the KV heads vLLM replicates each
     head over `tp / heads` ranks: a rank's slice is then that of rank `r * heads // tp` of TP `heads`,
-    the same bytes under the same key as an engine at TP `heads` stores."""
+    the same bytes under the same key as an engine at TP `heads` stores.
+
+    A hybrid model (`groups`): its chunks hold the attention layers (full and sliding), and a Mamba
+    model's spec has the state layout of its Mamba layers (`groups.py`)."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype != "auto":
@@ -87,10 +93,16 @@ def model_spec(vllm_config: VllmConfig, settings: VllmSettings, rank: int | None
     tp = pc.tensor_parallel_size
     if rank is None:
         rank = pc.rank % tp if tp > 1 else 0
+    if groups is not None and tp > 1:
+        raise InvalidArgumentError(
+            "a hybrid model (KV cache groups of several kinds) at tensor_parallel_size > 1 is not supported by the"
+            " agentstate vLLM connector yet (its Mamba states are sharded per rank too)"
+        )
     whole = ModelSpec(
         model_id=settings.model_id or str(mc.model), revision=settings.revision or mc.revision or "main",
-        dtype=DTYPE_NAMES[mc.dtype], num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_total_num_kv_heads(),
-        head_dim=mc.get_head_size(),
+        dtype=DTYPE_NAMES[mc.dtype], num_kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.get_head_size(),
+        num_layers=mc.get_num_layers(pc) if groups is None else len(groups.attention),
+        state=None if groups is None else groups.state,
     )  # fmt: skip
     heads = whole.num_kv_heads
     if tp > heads and tp % heads == 0:  # replicated heads
@@ -143,14 +155,16 @@ class ConnectorConfig:
     engine: str  # engine_token: names the lookup channel
     ranks: int  # tensor parallel ranks
     rank: int  # this process's TP rank (the scheduler's: 0)
+    groups: KVGroups | None = None  # a hybrid model's KV cache groups (None: one full-attention group)
 
     @property
     def chunk_tokens(self) -> int:
         return self.store.chunk_tokens
 
     @classmethod
-    def of(cls, vllm_config: VllmConfig) -> ConnectorConfig:
-        """Read and check the engine's kv_connector_extra_config; InvalidArgumentError for a bad one."""
+    def of(cls, vllm_config: VllmConfig, kv_cache_config: Any = None) -> ConnectorConfig:
+        """Read and check the engine's kv_connector_extra_config (and its KV cache groups, where vLLM
+        passes them); InvalidArgumentError for a bad one."""
         _one_stage(vllm_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         settings, overrides = VllmSettings.from_extra(dict(extra or {}))
@@ -170,10 +184,15 @@ class ConnectorConfig:
             raise InvalidArgumentError(
                 f"chunk_tokens {store.chunk_tokens} must be a multiple of the engine's block size {block_size}"
             )
+        groups = groups_of(kv_cache_config, block_size) if kv_cache_config is not None else None
+        if groups is not None and settings.load_mode == "sync":
+            # vLLM takes a failed load of a model with several KV cache groups only as a whole request's
+            # (failed_recving), which only an asynchronous load can report
+            raise InvalidArgumentError("load_mode 'sync' is not supported for hybrid models (several KV cache groups)")
         pc = vllm_config.parallel_config
-        return cls(settings, overrides, store, block_size, model_spec(vllm_config, settings),
-                   model_spec(vllm_config, settings, 0), engine_token(vllm_config), pc.tensor_parallel_size,
-                   pc.rank % pc.tensor_parallel_size)  # fmt: skip
+        return cls(settings, overrides, store, block_size, model_spec(vllm_config, settings, groups=groups),
+                   model_spec(vllm_config, settings, 0, groups), engine_token(vllm_config), pc.tensor_parallel_size,
+                   pc.rank % pc.tensor_parallel_size, groups)  # fmt: skip
 
     def own(self, keys: list[str]) -> list[str]:
         """Keys of the scheduler's plans (rank 0's slice of heads) as this rank's: the same chunks, its heads."""

@@ -15,6 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -35,12 +37,15 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class AgentStateConnector(KVConnectorBase_V1):
-    """KV connector over an agentstate StateStore (see the package doc)."""
+class AgentStateConnector(KVConnectorBase_V1, SupportsHMA):
+    """KV connector over an agentstate StateStore (see the package doc). `SupportsHMA`: vLLM keeps its
+    hybrid memory allocator on, and a hybrid model's requests come with block ids per KV cache group
+    (`groups.py`)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        config = ConnectorConfig.of(vllm_config)  # checks every setting before either role opens anything
+        # checks every setting (and the model's KV cache groups) before either role opens anything
+        config = ConnectorConfig.of(vllm_config, kv_cache_config)
         self.connector_scheduler: SchedulerSide | None = None
         self.connector_worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -88,6 +93,11 @@ class AgentStateConnector(KVConnectorBase_V1):
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
     # -- worker ------------------------------------------------------------------------------------
@@ -110,6 +120,13 @@ class AgentStateConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """get_finished's sets, and the loads that failed as whole requests (a hybrid model's: vLLM maps
+        failed blocks back to requests for one KV cache group only)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=self.worker.loads.failed_requests())  # fmt: skip
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

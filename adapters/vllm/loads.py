@@ -24,6 +24,8 @@ from agentstate.adapters.vllm.config import ConnectorConfig
 from agentstate.adapters.vllm.hints import Hints
 from agentstate.adapters.vllm.metadata import LoadJob
 from agentstate.adapters.vllm.metrics import BYTES_READ, Counts
+from agentstate import model_state
+from agentstate.keys import boundary_key
 from agentstate.store import StateStore
 
 Future = concurrent.futures.Future
@@ -43,6 +45,7 @@ class Loads:
         self.hints = hints
         self._loading: dict[str, tuple[Future[set[int]], BlocksTarget, LoadJob, float]] = {}
         self._errors: set[int] = set()
+        self._failed: set[str] = set()  # a hybrid model's requests whose load failed (recomputed whole)
 
     def start(self, job: LoadJob) -> None:
         if job.req_id in self._loading:
@@ -50,7 +53,7 @@ class Loads:
         try:
             _, blocks = self._attached()
             span_end = max([job.end, *(start + n for start, n in job.spans)])
-            target = blocks.target(job.block_ids, job.first, span_end, job.end)
+            target = blocks.target(job.block_ids, job.first, span_end, job.end, job.groups)
             future = asyncio.run_coroutine_threadsafe(self._load(job, target), self.loop.loop)
         except Exception as exc:  # noqa: BLE001 - the load fails, the blocks are recomputed
             self.counts.failed("load", exc)
@@ -87,6 +90,8 @@ class Loads:
         with store.chunks.pinned(keys):
             await store.chunks.discover(keys)
             await store.chunks.read(keys, job.spans, target, usage=usage, stored=job.stored)
+        if job.state_block is not None:
+            await self._state(store, job, keys[-1], target)
         done = set(target.done)
         read = {k: v for k, v in usage.items() if k.startswith(BYTES_READ) and v}
         self.counts.add(**read, load_wait_ms=round(1000 * (t1 - t0)),
@@ -94,6 +99,18 @@ class Loads:
         view = store.for_tenant(job.tenant) if job.tenant else store
         view.usage_log.add(view.tenant, None, {"loads": 1, "tokens_read": _landed(job, done) - job.first, **read})
         return done
+
+    async def _state(self, store: StateStore, job: LoadJob, last: str, target: BlocksTarget) -> None:
+        """A Mamba model's load: its state after `job.end` tokens (stored at the boundary after the last
+        chunk) into the state block, unless the load timed out meanwhile (the target is closed)."""
+        boundary, block = boundary_key(last), job.state_block
+        assert block is not None
+        with store.chunks.pinned([boundary]):
+            state = await model_state.read(store.chunks, self.config.spec, boundary, job.end)
+        if state is not None:
+            _, blocks = self._attached()
+            target.state_placed = target.run_guarded(lambda: blocks.put_state(block, state))
+            self.counts.add(states_loaded=int(target.state_placed))
 
     def finished(self) -> set[str]:
         """Requests whose load is over (done, or cancelled past timeout_s): vLLM may schedule them now."""
@@ -114,13 +131,24 @@ class Loads:
         if not timed_out and future.done() and not future.cancelled() and future.exception() is not None:
             self.counts.failed("load", future.exception())  # type: ignore[arg-type]
         good = _landed(job, written)
+        if job.state_block is not None and not target.state_placed:
+            good = job.first  # the KV without the state it continues from is no use: recomputed whole
         self.counts.add(loads=1, load_ms=round(1000 * (time.monotonic() - started)))
-        if good < job.end:
+        if good < job.end and job.groups is not None:  # vLLM takes a hybrid model's failure per request
+            self._failed.add(req_id)
+            good = job.first
+        elif good < job.end:
             bs = self.config.block_size
             bad = {job.block_ids[t // bs] for t in range(good, job.end) if t // bs < len(job.block_ids)}
             self._errors |= bad
             self.counts.add(load_error_blocks=len(bad))
         self.counts.add(loaded_tokens=good - job.first)
+
+    def failed_requests(self) -> set[str]:
+        """A hybrid model's requests whose load failed since the last call (reported with the loads
+        finished, `get_transfer_results`): vLLM recomputes them from their first token."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def errors(self) -> set[int]:
         """Blocks whose load failed since the last call: vLLM recomputes from the first of them."""

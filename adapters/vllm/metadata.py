@@ -32,6 +32,10 @@ class LoadJob:
     """tokens each chunk holds, where a span takes only its first ones (a session matched part way)"""
     tails: list[str] | None = None
     """at TP > 1, when the last key is a session's tail: each rank's own (a rank's tail is its own value)"""
+    groups: list[list[int]] | None = None
+    """a hybrid model's block ids per KV cache group (`block_ids` is then its first attention group's)"""
+    state_block: int | None = None
+    """a Mamba model's: the block its state after `end` tokens goes into (the end is a chunk boundary)"""
 
 
 @dataclass
@@ -46,6 +50,11 @@ class SaveJob:
     block_ids: list[int]
     salt: str | None = None
     """the request's cache_salt: vLLM's block hashes carry it, and so do the KV events of these chunks"""
+    groups: list[list[int]] | None = None
+    """a hybrid model's block ids per KV cache group; its chunks are copied out on the step (a group's
+    blocks may leave the request before a copy off the step would run)"""
+    state_block: int | None = None
+    """a Mamba model's: the block holding its state after the last chunk (the step ended there)"""
 
 
 @dataclass

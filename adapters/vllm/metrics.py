@@ -24,7 +24,8 @@ log = logging.getLogger("vllm.agentstate")  # under vLLM's logger: shown with th
 STAT_KEYS = (
     "hit_tokens", "loaded_tokens", "stored_tokens", "load_error_blocks", "sessions_saved", "saves_dropped",
     "saves_revoked", "errors", "hints", "hint_moved_bytes", "hint_errors", "hints_invalid", "hints_skipped",
-    "loads", "load_ms", "load_wait_ms", "load_read_ms", "hint_ms",
+    "loads", "load_ms", "load_wait_ms", "load_read_ms", "hint_ms", "saves_skipped_window", "states_saved",
+    "states_loaded",
 )  # fmt: skip
 BYTES_READ = "bytes_read:"  # + a tier's name: stored bytes loads read from that tier
 
@@ -108,6 +109,9 @@ HELPS = {
     "load_wait_ms": "of loads, milliseconds waiting for their request's resuming hint (summed)",
     "load_read_ms": "of loads, milliseconds reading into the blocks (summed)",
     "hint_ms": "milliseconds agent hints took on the store's loop, writes waited for included (summed)",
+    "saves_skipped_window": "hybrid models: chunks not saved because a sliding-window group no longer held them",
+    "states_saved": "hybrid models: Mamba states stored at chunk boundaries",
+    "states_loaded": "hybrid models: Mamba states loaded into the engine's state blocks",
 }
 
 

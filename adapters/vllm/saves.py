@@ -101,18 +101,64 @@ class Saves:
             if self._pending + len(job.chunks) > self.config.settings.max_pending_saves:
                 self.counts.add(saves_dropped=len(job.chunks))  # never stall the step behind a slow store
                 continue
-            with self._lock:
-                self._pending += len(job.chunks)
-            flag = self.revoke.setdefault(job.req_id, threading.Event())
-            read: Future[None] = Future()
-            self.reading.setdefault(job.req_id, []).append(read)
-            write = asyncio.run_coroutine_threadsafe(self._save(job, flag, read, ready), self.loop.loop)
+            if job.groups is not None:
+                write = self._save_now(job, blocks, ready)
+            else:
+                with self._lock:
+                    self._pending += len(job.chunks)
+                flag = self.revoke.setdefault(job.req_id, threading.Event())
+                read: Future[None] = Future()
+                self.reading.setdefault(job.req_id, []).append(read)
+                write = asyncio.run_coroutine_threadsafe(self._save(job, flag, read, ready), self.loop.loop)
             self.writes.append(write)
             mine = [f for f in self.by_request.get(job.req_id, []) if not f.done()]
             self.by_request[job.req_id] = [*mine, write]
 
     def prune(self) -> None:
         self.writes = [f for f in self.writes if not f.done()]
+
+    def _save_now(self, job: SaveJob, blocks: EngineBlocks, ready: Any) -> Future[None]:
+        """A hybrid model's save: its chunks and state are copied out here, on the step (a sliding
+        group's blocks and a Mamba state's block leave the request within a step or two, before a copy
+        off the step is sure to have run), and written off it."""
+        c, per = self.config.chunk_tokens, self.config.chunk_tokens // self.config.block_size
+        try:
+            if ready is not None:
+                ready.synchronize()
+            chunks: dict[int, torch.Tensor | NativeKV] = {}
+            if job.chunks:
+                assert job.groups is not None
+                ids = [b for j in job.chunks for b in job.block_ids[j * per : (j + 1) * per]]
+                groups = [[b for j in job.chunks for b in g[j * per : (j + 1) * per]] for g in job.groups]
+                n = len(job.chunks) * c
+                kv = blocks.gather(ids, n, self.config.spec.empty_kv(n), groups)
+                chunks = {j: kv[:, :, k * c : (k + 1) * c] for k, j in enumerate(job.chunks)}
+            state = blocks.state_at(job.state_block) if job.state_block is not None else None
+        except Exception as exc:  # noqa: BLE001 - a lost save is a later miss
+            self.counts.failed("save", exc)
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        with self._lock:
+            self._pending += len(job.chunks)
+        return asyncio.run_coroutine_threadsafe(self._write(job, chunks, state), self.loop.loop)
+
+    async def _write(
+        self, job: SaveJob, chunks: dict[int, torch.Tensor | NativeKV], state: dict[str, torch.Tensor] | None
+    ) -> None:
+        """Write chunks already copied out of the blocks (and a hybrid model's boundary state)."""
+        try:
+            store, _ = self._attached()
+            view = store.for_tenant(job.tenant)
+            if job.salt and chunks:  # the KV events hash these chunks as vLLM does: salted
+                view.chunks.learn(view.prefix_keys(job.tokens)[: max(chunks) + 1], job.tokens, job.salt)
+            stored = await view.put_chunks(job.tokens, chunks, model_state=state)
+            self.counts.add(stored_tokens=stored, states_saved=int(state is not None))
+        except Exception as exc:  # noqa: BLE001 - a lost save is a later miss
+            self.counts.failed("save", exc)
+        finally:
+            with self._lock:
+                self._pending -= len(job.chunks)
 
     async def _known(self, store: StateStore, keys: list[str]) -> list[bool]:
         missing = set(await store.chunks.missing(keys, durable=False)) if keys else set()

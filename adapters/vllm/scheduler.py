@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentstate.adapters.runtime import never_raises
 from agentstate.adapters.vllm.config import ConnectorConfig, data_dir
+from agentstate.adapters.vllm.groups import NULL_BLOCK
 from agentstate.adapters.vllm.lookup import LookupClient, socket_name
 from agentstate.adapters.vllm.metadata import AgentStateMetadata, HintJob, LoadJob, SaveJob, SessionJob
 from agentstate.adapters.vllm.metrics import AgentStateStats, Counts, log
@@ -38,7 +39,7 @@ class _Tracked:
 
     request: Any
     tenant: str
-    block_ids: list[int] = field(default_factory=list)
+    groups: list[list[int]] = field(default_factory=list)  # block ids per KV cache group
     saved: int = 0  # chunks handed to the worker (or known stored)
 
 
@@ -69,6 +70,8 @@ class SchedulerSide:
         self._params: dict[str, RequestParams] = {}  # per request, checked once (logged once if bad)
         self._hinted: set[str] = set()  # requests whose resuming hint went to the worker
         self._hint_jobs: list[HintJob] = []
+        groups = config.groups
+        self._kv_group = 0 if groups is None else min(groups.attention.values())  # block_ids of jobs: this group's
 
     def _failed(self, call: str, exc: BaseException) -> None:
         self.counts.failed(call, exc)
@@ -118,6 +121,12 @@ class SchedulerSide:
             params = parse_params(request.kv_transfer_params)
         except Exception as exc:  # noqa: BLE001 - parse_params never raises; served without params if it did
             params = RequestParams(problems=(("agentstate params", clip_message(exc)),))
+        if self.config.groups is not None and params.session_id is not None:
+            # a session's tail would need the model's state at its exact end, which vLLM keeps at block
+            # boundaries only: the turn is stored as a prefix (chunks and boundary states), not a session
+            problem = ("session_id", "InvalidArgumentError: the vLLM connector stores a hybrid model's turns as"
+                       " prefixes, not as named sessions (yet)")  # fmt: skip
+            params = RequestParams(None, None, None, (*params.problems, problem))
         for part, problem in params.problems:
             log.warning("agentstate: request %s is served without its %s: %s", clip(req_id), part, problem)
         if any(part == "hint" for part, _ in params.problems):
@@ -210,12 +219,13 @@ class SchedulerSide:
     @never_raises(lambda *_, **__: None)
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
-        block_ids = list(blocks.get_block_ids()[0])
+        groups = [list(ids) for ids in blocks.get_block_ids()]
+        block_ids = groups[self._kv_group] if groups else []
         tracked = self._tracked.get(req_id)
         if tracked is None:
             tracked = self._tracked[req_id] = _Tracked(request, self._tenant(request))
         if block_ids:
-            tracked.block_ids = block_ids
+            tracked.groups = groups
         matched = self._matched.pop(req_id, None)
         if num_external_tokens <= 0:
             return
@@ -224,6 +234,8 @@ class SchedulerSide:
         first = matched[0]
         try:
             job = self._plan_load(req_id, matched, num_external_tokens, block_ids, tracked.tenant)
+            if self.config.groups is not None:
+                self._plan_groups(job, groups)
         except Exception as exc:  # noqa: BLE001 - a load with no chunks fails: the request is recomputed
             self._failed("update_state_after_alloc", exc)
             job = LoadJob(req_id, [], [], block_ids, first, first + num_external_tokens, tracked.tenant)
@@ -252,6 +264,19 @@ class SchedulerSide:
             tails = plan.get("tails")
         return LoadJob(req_id, keys, spans, block_ids, first, end, tenant, stored, tails)
 
+    def _plan_groups(self, job: LoadJob, groups: list[list[int]]) -> None:
+        """A hybrid model's load: every group's blocks, and where a Mamba model's state after `end`
+        goes (the block of its state group ending there; the hit is a chunk boundary)."""
+        job.groups = groups
+        group = self.config.groups.state_group if self.config.groups is not None else None
+        if group is None or not job.keys:
+            return
+        bs, end = self.config.block_size, job.end
+        ids = groups[group]
+        if end % self.config.chunk_tokens or not 0 < end // bs <= len(ids) or ids[end // bs - 1] == NULL_BLOCK:
+            raise ValueError(f"no state block at token {end} of a hybrid model's load")
+        job.state_block = ids[end // bs - 1]
+
     # -- each step ---------------------------------------------------------------------------------
 
     @never_raises(lambda *_, **__: AgentStateMetadata())
@@ -275,7 +300,7 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
-                tracked.block_ids = list(new.block_ids[0])
+                tracked.groups = [list(ids) for ids in new.block_ids]
                 computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -283,28 +308,66 @@ class SchedulerSide:
             if tracked is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                tracked.block_ids = list(new_ids[0]) if new_ids else []
+            if req_id in cached.resumed_req_ids or (new_ids and len(new_ids) != len(tracked.groups)):
+                tracked.groups = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                tracked.block_ids.extend(new_ids[0])
+                for ids, more in zip(tracked.groups, new_ids):
+                    ids.extend(more)
             computed[req_id] = cached.num_computed_tokens[i]
         for req_id, done in computed.items():
             tracked = self._tracked[req_id]
-            end = (done + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // c
-            if end <= tracked.saved:
+            step_end = done + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            end = step_end // c
+            if end <= tracked.saved or not tracked.groups:
                 continue
             tokens = list(tracked.request.all_token_ids[: end * c])
             keys = self.config.keys(tokens, tracked.tenant)
             todo = list(range(tracked.saved, end))
-            meta.saves.append(
-                SaveJob(req_id, tracked.tenant, tokens, [keys[j] for j in todo], todo, list(tracked.block_ids),
-                        getattr(tracked.request, "cache_salt", None))  # fmt: skip
-            )
+            job = SaveJob(req_id, tracked.tenant, tokens, [keys[j] for j in todo], todo,
+                          list(tracked.groups[self._kv_group]), getattr(tracked.request, "cache_salt", None))  # fmt: skip
             tracked.saved = end
+            if self.config.groups is not None:
+                self._hybrid_save(job, tracked.groups, done, step_end)
+            if job.chunks or job.state_block is not None:
+                meta.saves.append(job)
+
+    def _hybrid_save(self, job: SaveJob, groups: list[list[int]], done: int, step_end: int) -> None:
+        """A hybrid model's save: only chunks every attention group still holds whole (a sliding group
+        lets blocks before its window go at the next step: those of earlier steps may be gone), and a
+        Mamba model's state where this step ends on the last chunk's end (vLLM's align mode keeps the
+        state there, in the block ending there, only where a step ended there)."""
+        hybrid = self.config.groups
+        assert hybrid is not None
+        bs, c = self.config.block_size, self.config.chunk_tokens
+        per = c // bs
+        job.groups = [list(ids) for ids in groups]
+        keep = []
+        for k, j in enumerate(job.chunks):
+            whole = True
+            for g, kind in enumerate(hybrid.kinds):
+                if kind == "mamba":
+                    continue
+                ids = groups[g][j * per : (j + 1) * per]
+                window = hybrid.windows[g]
+                gone = max(0, done - window + 1) // bs if window is not None else 0  # blocks vLLM may have freed
+                whole = whole and len(ids) == per and NULL_BLOCK not in ids and j * per >= gone
+            if whole:
+                keep.append(k)
+            else:
+                self.counts.add(saves_skipped_window=1)
+        job.keys, job.chunks = [job.keys[k] for k in keep], [job.chunks[k] for k in keep]
+        group = hybrid.state_group
+        if group is not None and step_end % c == 0:  # the step ends on the end of its last chunk
+            ids = groups[group]
+            at = step_end // bs - 1
+            if at < len(ids) and ids[at] != NULL_BLOCK:
+                job.state_block = ids[at]
 
     # -- requests finishing ------------------------------------------------------------------------
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """The blocks are held while the worker still copies out of them: chunks handed over for
         saving, and a session named in kv_transfer_params (snapshotted now). The worker reports
         the request in `get_finished` once its copies are done. A paused or done hint goes to the
@@ -330,7 +393,7 @@ class SchedulerSide:
             self._hinted.discard(req_id)
             self._no_hits.discard(req_id)
 
-    def _finished(self, request: Request, block_ids: list[int], copying: bool) -> bool:
+    def _finished(self, request: Request, block_ids: tuple[list[int], ...], copying: bool) -> bool:
         """request_finished's work: whether the blocks are held. Jobs are queued last, once nothing
         else can fail."""
         req_id = request.request_id
@@ -344,9 +407,10 @@ class SchedulerSide:
                                list(request.all_token_ids[:n]))  # fmt: skip
         session = params.session
         session_job = None
-        if session is not None and n > 0 and block_ids:
+        kv_ids = block_ids[self._kv_group] if len(block_ids) > self._kv_group else []
+        if session is not None and n > 0 and kv_ids:
             tokens = list(request.all_token_ids[:n])
-            session_job = SessionJob(req_id, tenant, session[0], session[1], tokens, list(block_ids))
+            session_job = SessionJob(req_id, tenant, session[0], session[1], tokens, list(kv_ids))
         if hint_job is not None:
             self._hint_jobs.append(hint_job)
         if session_job is not None:

@@ -20,6 +20,7 @@ import torch
 from agentstate.adapters.runtime import LoopThread, never_raises
 from agentstate.adapters.vllm.blocks import EngineBlocks, layout_for
 from agentstate.adapters.vllm.config import ConnectorConfig, data_dir
+from agentstate.adapters.vllm.groups import KVGroups
 from agentstate.adapters.vllm.hints import Hints
 from agentstate.adapters.vllm.loads import Loads
 from agentstate.adapters.vllm.lookup import LookupServer, socket_name
@@ -31,7 +32,7 @@ from agentstate.adapters.vllm.service import EmbeddedService
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, BackendError, DataDirLockedError, InvalidArgumentError
 from agentstate.sessions import leading
-from agentstate.spec import ModelSpec
+from agentstate.spec import DTYPES, ModelSpec
 from agentstate.store import StateStore
 
 if TYPE_CHECKING:
@@ -92,9 +93,9 @@ class WorkerSide:
     def _blocks(self, kv_caches: dict[str, torch.Tensor]) -> EngineBlocks:
         from vllm.model_executor.layers.attention import Attention  # noqa: F401 - vLLM present here
 
-        spec, bs = self.config.spec, self.config.block_size
+        spec, bs, hybrid = self.config.spec, self.config.block_size, self.config.groups
         layers = self.vllm_config.compilation_config.static_forward_context
-        names = list(kv_caches)
+        names = list(kv_caches) if hybrid is None else [n for n in kv_caches if n in hybrid.attention]
         if len(names) != spec.num_layers:
             raise InvalidArgumentError(f"{len(names)} KV caches for {spec.num_layers} layers")
         first = layers.get(names[0])
@@ -109,7 +110,10 @@ class WorkerSide:
                 raise InvalidArgumentError(f"KV cache {name} is {kv_caches[name].dtype}, the spec {spec.dtype}")
         log.info("agentstate: %s layout %s (%s %s) at %s", spec.model_id, layout.name, backend, variant, self.path)
         native = [kv_caches[n] for n in names] if self.config.settings.native_layout else None
-        return EngineBlocks(layout, [layout.planes(kv_caches[n]) for n in names], native)
+        planes = [layout.planes(kv_caches[n]) for n in names]
+        if hybrid is None:
+            return EngineBlocks(layout, planes, native)
+        return EngineBlocks(layout, planes, native, [hybrid.attention[n] for n in names], _states(layers, hybrid, spec))
 
     async def _open(self) -> StateStore:
         config = StoreConfig(**{**self.config.overrides, "path": self.path})
@@ -246,6 +250,28 @@ class WorkerSide:
             self.shutdown()
         except Exception:  # noqa: BLE001, S110 - a half-built worker has nothing to shut down
             pass
+
+
+def _states(layers: dict[str, Any], hybrid: KVGroups, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The state layout's tensors by name: each Mamba layer's state tensors as vLLM bound them to the
+    layer (`[blocks, ...]`, views of the engine's KV memory), checked against the layout."""
+    assert spec.state is not None
+    wanted = iter(spec.state.tensors)
+    out: dict[str, torch.Tensor] = {}
+    for name in hybrid.mamba:
+        bound = getattr(layers.get(name), "kv_cache", None)
+        if isinstance(bound, (list, tuple)) and bound and isinstance(bound[0], (list, tuple)):
+            bound = bound[0]  # one per virtual engine
+        if not isinstance(bound, (list, tuple)):
+            raise InvalidArgumentError(f"Mamba layer {name} has no state tensors bound")
+        for t in bound:
+            want = next(wanted, None)
+            if want is None or tuple(t.shape[1:]) != want.shape or t.dtype != DTYPES[want.dtype]:
+                raise InvalidArgumentError(f"Mamba layer {name}: a state tensor {tuple(t.shape)} {t.dtype} is not {want}")
+            out[want.name] = t
+    if len(out) != len(spec.state.tensors):
+        raise InvalidArgumentError(f"{len(out)} Mamba state tensors bound for a layout of {len(spec.state.tensors)}")
+    return out
 
 
 def _cpu_isa(vllm_config: Any, block_size: int, spec: ModelSpec) -> str:

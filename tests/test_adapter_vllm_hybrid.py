@@ -1,0 +1,207 @@
+"""The vLLM connector on a hybrid model: a real vLLM engine on CPU running a tiny random Qwen3-Next
+(GatedDeltaNet layers between full-attention ones, bf16) with its hybrid memory allocator on.
+
+vLLM gives such a model two KV cache groups (the GDN layers' states, the attention layers' KV), and
+widens the attention blocks to a GDN state's page (288 tokens here), so chunks are 288 tokens: each
+holds the attention layers' KV, and where a step ends on a chunk's end the GDN layers' state there is
+stored beside it (a boundary). Engine runs, one request per `generate` call and the prefix cache reset
+between rounds (only the connector can supply hits):
+
+- base: no connector, the reference tokens;
+- conn: H1 stored (two chunks, a boundary at 576), then hit (chunks and state loaded), H2 (shares
+  H1's 576 tokens) hit and stored on to 864 (its step after the load ends there); a request naming a session is served (hybrid turns are
+  stored as prefixes); then, with the engine gone, the library reads what it wrote and the state at
+  864 is damaged on disk;
+- again: a new engine on the same directory: H2's planned hit finds the damaged state, the load
+  fails as a whole request and vLLM recomputes it (tokens equal the reference); the state written
+  by that recompute then serves H2 to 864; H1 still hits at 576.
+
+Runs under the venv that has vLLM (.ci/run makes .venv-vllm); CI fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.requires import require_module
+
+vllm = require_module("vllm", "pip install -c constraints.txt -r requirements-vllm.txt (a venv of its own: .ci/run)")
+
+from agentstate import ModelSpec, StateStore
+from agentstate.config import StoreConfig
+from agentstate.datadir import recorded_config
+from agentstate.errors import InvalidArgumentError
+from agentstate.keys import boundary_key, chunk_keys, namespace_for
+from agentstate.ops.verify import verify
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from tests.test_adapter_vllm import req, run_engine, toks  # noqa: E402
+from vllm_engine import make_hybrid_model  # noqa: E402
+
+C = 288  # vLLM's attention block on this model, so the chunk
+# Each prompt ends one token past a boundary: the first token generated after a load comes from the
+# loaded state itself (a GDN layer's conv state moves the next few tokens' logits by whole units; ten
+# tokens on, a wrong state's effect has faded below what greedy decoding shows).
+H1 = toks(2 * C + 1, 11)
+H2 = H1[: 2 * C] + toks(C + 1, 12)  # H1's first two chunks, then one of its own and a token
+SESSION = {"agentstate": {"session_id": "hybrid-1", "state": {"turn": 1}}}
+
+
+def job(model: str, data: Path | None, rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    # chunked prefill: vLLM's Mamba "align" mode needs it; block_size asked for (vLLM widens it to 288):
+    # its prefix hashes are then per block, so prefill steps end on block (chunk) boundaries
+    return {"model": model, "dtype": "bfloat16", "block_size": 16, "chunked_prefill": True,
+            "max_num_batched_tokens": 2048, "max_model_len": 2048, "num_blocks": 64, "round_metrics": True,
+            "connector": None if data is None else {"path": str(data)}, "rounds": rounds}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-hybrid")
+
+
+@pytest.fixture(scope="module")
+def model(tmp: Path) -> str:
+    return make_hybrid_model(str(tmp / "model"))
+
+
+@pytest.fixture(scope="module")
+def base(tmp: Path, model: str) -> dict[str, Any]:
+    out = run_engine(tmp, "base", job(model, None, [[req(H1)], [req(H2)]]))
+    return {"H1": out["rounds"][0][0], "H2": out["rounds"][1][0]}
+
+
+@pytest.fixture(scope="module")
+def data(tmp: Path) -> Path:
+    return tmp / "data"
+
+
+@pytest.fixture(scope="module")
+def conn(tmp: Path, model: str, data: Path) -> dict[str, Any]:
+    rounds = [[req(H1)], [req(H1)], [req(H2)], [req(H1, params=SESSION)]]
+    return run_engine(tmp, "conn", job(model, data, rounds))
+
+
+def _metric(out: dict[str, Any], rnd: int, name: str) -> float:
+    """A connector metric's growth in round `rnd`."""
+    now = out["round_metrics"][rnd].get(f"vllm:agentstate_{name}", 0)
+    return now - (out["round_metrics"][rnd - 1].get(f"vllm:agentstate_{name}", 0) if rnd else 0)
+
+
+def test_hybrid_prefix_loads_its_chunks_and_state(base: dict[str, Any], conn: dict[str, Any]) -> None:
+    """H1 stores two chunks and the GDN state at their end; the same prompt then loads them (vLLM's own
+    cache emptied) and continues token-identical to the engine without the connector; H2 loads H1's
+    boundary and goes on from there."""
+    (h1,), (h1b,), (h2,), (h1s,) = conn["rounds"]
+    assert h1["cached"] == 0 and h1["tokens"] == base["H1"]["tokens"]
+    assert _metric(conn, 0, "states_saved") >= 1
+    assert h1b["cached"] == 2 * C and h1b["tokens"] == base["H1"]["tokens"]
+    assert _metric(conn, 1, "states_loaded") == 1
+    assert h2["cached"] == 2 * C and h2["tokens"] == base["H2"]["tokens"]
+    assert _metric(conn, 2, "states_saved") >= 1  # the step after the load ends at 864: another boundary
+    # a request naming a session: served and hit as a prefix (the session part is logged and dropped)
+    assert h1s["cached"] == 2 * C and h1s["tokens"] == base["H1"]["tokens"]
+    assert conn["metrics"].get("vllm:agentstate_errors", 0) == 0
+
+
+def _keys(spec: ModelSpec, tokens: list[int]) -> list[str]:
+    return list(chunk_keys(tokens, namespace=namespace_for("default"), fingerprint=spec.fingerprint, chunk_tokens=C,
+                           chain=spec.model_fingerprint))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def library(conn: dict[str, Any], data: Path) -> bool:
+    """What the engine wrote, read by the library and the CLI: a hybrid spec (the GDN layers' state
+    tensors as vLLM binds them), H2's prefix stored to its third boundary, every value intact. Then the
+    state at 864 is damaged on disk, for the next engine."""
+    spec = ModelSpec.model_validate_json((data / "spec.json").read_text())
+    assert spec.state is not None and spec.num_layers == 2  # the attention layers; the GDN layers' states
+    assert [t.name for t in spec.state.tensors][:2] == ["model.layers.0.linear_attn.s0.SD", "model.layers.0.linear_attn.s1"]
+    cli = subprocess.run([sys.executable, "-m", "agentstate", "verify", "--path", str(data), "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert cli.returncode == 0, (cli.stdout[-2000:], cli.stderr[-2000:])
+    keys = _keys(spec, H2[: 3 * C])
+
+    async def check() -> None:
+        recorded = recorded_config(data)  # the engine's chunk size (its block: 288)
+        assert recorded is not None and recorded.store["chunk_tokens"] == C
+        async with StateStore.open(StoreConfig(**recorded.store), spec) as store:
+            assert (await verify(store)).clean
+            assert await store.lookup_keys(keys) == 3
+            assert await store.lookup_keys(_keys(spec, H1[: 2 * C] + toks(C, 99))) == 2  # H1's boundary, not past it
+            state = await store.prefix_state(H2, 3 * C)
+            assert state is not None and set(state) == {t.name for t in spec.state.tensors}
+            value = await store.chunks.raw_value("lmdb", boundary_key(keys[2]))
+            assert value is not None
+            bad = bytearray(value)
+            bad[-5] ^= 0x5A
+            await store.chunks.backend("lmdb").put([boundary_key(keys[2])], [bytes(bad)])  # as a disk would damage it
+
+    asyncio.run(check())
+    return True
+
+
+def test_library_reads_what_the_engine_stored(library: bool) -> None:
+    assert library
+
+
+@pytest.fixture(scope="module")
+def again(tmp: Path, model: str, data: Path, library: bool) -> dict[str, Any]:
+    return run_engine(tmp, "again", job(model, data, [[req(H2)], [req(H2)], [req(H1)]]))
+
+
+def test_damaged_state_recomputes_the_request_and_is_stored_again(base: dict[str, Any], again: dict[str, Any]) -> None:
+    """A new engine on the same directory: H2's hit (to 864) meets the damaged state, the load fails as a
+    whole request (vLLM recomputes it: a state's KV without the state would continue wrongly), the
+    recompute stores the state again and the next H2 loads all 864 tokens; H1 still hits at 576."""
+    (h2,), (h2b,), (h1,) = again["rounds"]
+    assert h2["tokens"] == base["H2"]["tokens"]
+    assert _metric(again, 0, "states_loaded") == 0
+    assert _metric(again, 0, "states_saved") >= 1
+    assert h2b["cached"] == 3 * C and h2b["tokens"] == base["H2"]["tokens"]
+    assert _metric(again, 1, "states_loaded") == 1
+    assert h1["cached"] == 2 * C and h1["tokens"] == base["H1"]["tokens"]
+
+
+# -- the groups, from vLLM's own classes, no engine -------------------------------------------------
+
+
+def _config(*specs: Any) -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.x"], s) for i, s in enumerate(specs)]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_groups_of_vllm_kv_cache_configs() -> None:
+    """A dense model's one full-attention group keeps the dense path (None); full, sliding and Mamba
+    (align) groups are read with each Mamba layer's state tensors; any other kind, a Mamba group not in
+    align mode, a block size other than the engine's are refused (typed) before anything opens."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    from agentstate.adapters.vllm.groups import groups_of
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    slide = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=64)
+    mamba = MambaSpec(block_size=16, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32),
+                      mamba_cache_mode="align")  # fmt: skip
+    assert groups_of(_config(full), 16) is None
+    g = groups_of(_config(mamba, full, slide), 16)
+    assert g is not None and g.kinds == ("mamba", "full", "sliding") and g.window == 64 and g.state_group == 0
+    assert g.attention == {"model.layers.1.x": 1, "model.layers.2.x": 2}
+    assert g.state is not None and [(t.shape, t.dtype) for t in g.state.tensors] == [((3, 8), "bfloat16"),
+                                                                                   ((2, 4, 4), "float32")]  # fmt: skip
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    for bad, why in [((full, mla), "MLAAttentionSpec"), ((full, slide), "block size"),
+                     ((full, MambaSpec(block_size=16, shapes=((3, 8),), dtypes=(torch.bfloat16,))), "align"),
+                     ((mamba,), "without attention")]:  # fmt: skip
+        with pytest.raises(InvalidArgumentError, match=why):
+            groups_of(_config(*bad), 16 if why != "block size" else 32)
