@@ -43,7 +43,7 @@ from agentstate.ops.verify import verify
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from tests.test_adapter_vllm import req, run_engine, toks  # noqa: E402
-from vllm_engine import make_hybrid_model  # noqa: E402
+from vllm_engine import make_hybrid_model, make_sliding_model  # noqa: E402
 
 C = 288  # vLLM's attention block on this model, so the chunk
 # Each prompt ends one token past a boundary: the first token generated after a load comes from the
@@ -168,6 +168,35 @@ def test_damaged_state_recomputes_the_request_and_is_stored_again(base: dict[str
     assert h2b["cached"] == 3 * C and h2b["tokens"] == base["H2"]["tokens"]
     assert _metric(again, 1, "states_loaded") == 1
     assert h1["cached"] == 2 * C and h1["tokens"] == base["H1"]["tokens"]
+
+
+# -- sliding windows: Gemma 3 ------------------------------------------------------------------------
+
+G1 = toks(513, 21)  # two chunks and a token
+G2 = G1[:512] + toks(300, 22)
+
+
+@pytest.fixture(scope="module")
+def sliding(tmp: Path) -> dict[str, Any]:
+    """A Gemma 3 (sliding layers, a 64-token window, between full-attention ones) without and with the
+    connector; vLLM's hybrid allocator on: the sliding layers' blocks before the window go back to the
+    pool while a request runs."""
+    model = make_sliding_model(str(tmp / "gemma"))
+    rounds = [[req(G1)], [req(G1)], [req(G2)], [req(G2)]]
+    common = {"model": model, "max_model_len": 2048, "num_blocks": 256, "round_metrics": True, "rounds": rounds}
+    base = run_engine(tmp, "gemma-base", {**common, "connector": None})
+    conn = run_engine(tmp, "gemma-conn", {**common, "connector": {"path": str(tmp / "gemma-data")}})
+    return {"base": [r[0] for r in base["rounds"]], "conn": [r[0] for r in conn["rounds"]], "out": conn}
+
+
+def test_sliding_window_model_loads_every_attention_layer(sliding: dict[str, Any]) -> None:
+    """Chunks hold the full and the sliding layers' KV; a load writes the sliding layers into the blocks
+    vLLM gave the window only (null blocks before it skipped): G1 again, then G2 on G1's chunks, then G2
+    on its own third chunk, each token-identical to the engine without the connector."""
+    base, conn = sliding["base"], sliding["conn"]
+    assert [r["cached"] for r in conn] == [0, 512, 512, 768]
+    assert [r["tokens"] for r in conn] == [r["tokens"] for r in base]
+    assert sliding["out"]["metrics"].get("vllm:agentstate_errors", 0) == 0
 
 
 # -- the groups, from vLLM's own classes, no engine -------------------------------------------------

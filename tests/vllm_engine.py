@@ -104,6 +104,27 @@ def make_hybrid_model(path: str, *, layers: int = 4, vocab: int = 512, seed: int
     return path
 
 
+def make_sliding_model(path: str, *, vocab: int = 512, seed: int = 0) -> str:
+    """A tiny random-weight Gemma 3 in float32: sliding-window layers (a 64-token window) between
+    full-attention ones, which vLLM keeps in KV cache groups of their own (sliding blocks leave a
+    running request once behind its window)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, sliding_window=64, max_position_embeddings=16384, torch_dtype="float32",
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    Gemma3ForCausalLM(config).to(torch.float32).save_pretrained(path, safe_serialization=True)
+    _tokenizer(path, vocab, chat=False)
+    return path
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}t5 {{ m['content'] or '' }} t4 "
     "{% elif m['role'] == 'tool' %}t6 {{ m['content'] }} t4 {% else %}t3 {{ m['content'] }} t4 {% endif %}"

@@ -21,12 +21,15 @@ import: kv_cache_config is only read (by class name: a subclass, such as MLA's, 
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from agentstate.errors import InvalidArgumentError
 from agentstate.spec import DTYPE_NAMES, StateLayout, StateTensor
+
+log = logging.getLogger("vllm.agentstate")
 
 NULL_BLOCK = 0
 """vLLM's null block: a position a group keeps nothing for (outside a window, a Mamba state not kept)."""
@@ -94,6 +97,13 @@ def groups_of(kv_cache_config: Any, block_size: int) -> KVGroups | None:
                 attention[name] = i
     if not attention:
         raise InvalidArgumentError("a model without attention layers: nothing for chunks of KV to hold")
+    hashed = getattr(kv_cache_config, "hash_block_size", None)
+    if mamba and hashed and hashed < block_size:
+        log.warning(
+            "agentstate: vLLM hashes prefixes per %d tokens, its blocks hold %d: its prefill steps end between"
+            " chunk boundaries, where no Mamba state is stored (fewer hits); ask vLLM for a block_size (it widens"
+            " it to a state's page) to align them", hashed, block_size,
+        )  # fmt: skip
     state = StateLayout(tensors=tuple(tensors)) if tensors else None
     return KVGroups(tuple(kinds), attention, mamba, tuple(windows), state)
 

@@ -113,7 +113,8 @@ class WorkerSide:
         planes = [layout.planes(kv_caches[n]) for n in names]
         if hybrid is None:
             return EngineBlocks(layout, planes, native)
-        return EngineBlocks(layout, planes, native, [hybrid.attention[n] for n in names], _states(layers, hybrid, spec))
+        states = _states(layers, hybrid, spec) if hybrid.mamba else None
+        return EngineBlocks(layout, planes, native, [hybrid.attention[n] for n in names], states)
 
     async def _open(self) -> StateStore:
         config = StoreConfig(**{**self.config.overrides, "path": self.path})
