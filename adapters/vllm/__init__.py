@@ -41,6 +41,13 @@ dropped, and the request is served, looked up and stored as if that part were ab
 the request its hits, and never changes when its blocks are freed (`request_finished` holds them
 whenever copies out of them may be in flight, whatever else fails).
 
+Hybrid models (`groups.py`): the connector declares `SupportsHMA`, so vLLM keeps its hybrid allocator
+on and gives each request block ids per KV cache group (full attention, sliding window, Mamba in align
+mode). Chunks hold every attention layer's KV; a Mamba model's state is stored where a prefill step ends
+on a chunk boundary (copied out on the step: vLLM frees that block two steps on) and loaded with the
+chunks up to the last such boundary; a load that fails in part is a failed request, recomputed whole.
+Their turns are stored as prefixes: a `session_id` is dropped (logged).
+
 Sessions: a request whose `kv_transfer_params` holds `{"agentstate": {"session_id": ..., "state":
 {...}}}` is snapshotted when it finishes (its blocks are held until then): tokens with computed KV
 (prompt and generated, the last sampled token excepted: it has no KV yet), tail included, and the

@@ -1,5 +1,6 @@
 """The worker's writes: chunks each step completes, and sessions of finished requests, copied out of the
-engine's blocks off the step, plus the bookkeeping that says when those blocks may be reused.
+engine's blocks off the step, plus the bookkeeping that says when those blocks may be reused. (A hybrid
+model's chunks and boundary states are copied out on the step, `_save_now`: see `groups.py`.)
 
 After each forward, the full chunks this step completed are handed to the store's loop, which
 dedupes them against the index, copies them out of the engine's blocks straight into canonical KV,
@@ -149,16 +150,22 @@ class Saves:
         """Write chunks already copied out of the blocks (and a hybrid model's boundary state)."""
         try:
             store, _ = self._attached()
-            view = store.for_tenant(job.tenant)
-            if job.salt and chunks:  # the KV events hash these chunks as vLLM does: salted
-                view.chunks.learn(view.prefix_keys(job.tokens)[: max(chunks) + 1], job.tokens, job.salt)
-            stored = await view.put_chunks(job.tokens, chunks, model_state=state)
-            self.counts.add(stored_tokens=stored, states_saved=int(state is not None))
+            await self._put(store, job, chunks, state)
         except Exception as exc:  # noqa: BLE001 - a lost save is a later miss
             self.counts.failed("save", exc)
         finally:
             with self._lock:
                 self._pending -= len(job.chunks)
+
+    async def _put(
+        self, store: StateStore, job: SaveJob, chunks: dict[int, torch.Tensor | NativeKV],
+        state: dict[str, torch.Tensor] | None = None,
+    ) -> None:  # fmt: skip
+        view = store.for_tenant(job.tenant)
+        if job.salt and chunks:  # the KV events hash these chunks as vLLM does: salted (learned before they are stored)
+            view.chunks.learn(view.prefix_keys(job.tokens)[: max(chunks) + 1], job.tokens, job.salt)
+        stored = await view.put_chunks(job.tokens, chunks, model_state=state)
+        self.counts.add(stored_tokens=stored, states_saved=int(state is not None))
 
     async def _known(self, store: StateStore, keys: list[str]) -> list[bool]:
         missing = set(await store.chunks.missing(keys, durable=False)) if keys else set()
@@ -203,11 +210,7 @@ class Saves:
             finally:
                 read.set_result(None)  # the blocks are no longer read: they may be freed
             if chunks:
-                view = store.for_tenant(job.tenant)
-                if job.salt:  # the KV events hash these chunks as vLLM does: salted (learned before they are stored)
-                    view.chunks.learn(view.prefix_keys(job.tokens)[: max(chunks) + 1], job.tokens, job.salt)
-                stored = await view.put_chunks(job.tokens, chunks)
-                self.counts.add(stored_tokens=stored)
+                await self._put(store, job, chunks)
         except Exception as exc:  # noqa: BLE001 - a lost save is a later miss
             self.counts.failed("save", exc)
         finally:
