@@ -269,3 +269,74 @@ async def test_every_state_tensor_comes_back_bit_for_bit_whatever_its_size_and_d
         assert got.complete and got.model_state is not None and torch.equal(got.kv, kv)
         for name, want in state.items():
             assert got.model_state[name].view(torch.uint8).equal(want.view(torch.uint8)), name
+
+
+def _rewrite(src: Path, dst: Path, edit: Any) -> None:
+    """A copy of archive `src` with `edit(files, index)` applied (members by name, index as JSON)."""
+    import io
+    import json
+    import tarfile
+
+    from agentstate.ops.archive import INDEX
+
+    with tarfile.open(src) as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
+    index = json.loads(files[INDEX])
+    edit(files, index)
+    files[INDEX] = json.dumps(index).encode()
+    with tarfile.open(dst, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, raw in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(raw)
+            tar.addfile(info, io.BytesIO(raw))
+
+
+async def test_a_hybrid_session_exports_and_imports_with_its_state(tmp_path: Path) -> None:
+    """An archive carries a hybrid session's state beside its chunks (a member of its own, a frame of
+    the state spec bound to its name): imported into another directory and tenant, the session
+    resumes and continues bit for bit as the run that never stopped. An archive whose state member is
+    damaged, swapped for a chunk, or left out of a session is refused before anything is written."""
+    import xxhash
+
+    from agentstate.errors import CorruptDataError
+    from agentstate.ops.archive import export_sessions, import_sessions
+
+    model = build("qwen3_next")
+    spec = tfa.spec_for(model, model_id="test/qwen3_next")
+    ids = tokens(45, seed=11)
+    last, cache = run(model, ids)
+    nxt = int(last.argmax())
+    want = decode(model, copy.deepcopy(cache), nxt)
+    async with open_store(tmp_path / "src", spec) as store:
+        await tfa.snapshot(store, "s", ids, cache, {"next": nxt})
+        report = await export_sessions(store, tmp_path / "a.tar")
+    assert report.sessions == 1 and report.chunks == 4  # two chunks, a tail, the state
+
+    def damaged(files: dict[str, bytes], index: dict[str, Any]) -> None:
+        name = index["sessions"][0]["model_state"]
+        raw = bytearray(files[name])
+        raw[-9] ^= 0x20
+        files[name] = bytes(raw)
+        index["members"][name]["xxh3"] = xxhash.xxh3_64_hexdigest(bytes(raw))  # the index agrees: the frame must not
+
+    def swapped(files: dict[str, bytes], index: dict[str, Any]) -> None:
+        session = index["sessions"][0]
+        session["model_state"] = session["chunks"][0]
+
+    def dropped(files: dict[str, bytes], index: dict[str, Any]) -> None:
+        index["sessions"][0]["model_state"] = None
+
+    for name, edit in [("damaged", damaged), ("swapped", swapped), ("dropped", dropped)]:
+        _rewrite(tmp_path / "a.tar", tmp_path / f"{name}.tar", edit)
+    async with open_store(tmp_path / "dst", spec) as store:
+        for name in ("damaged", "swapped", "dropped"):
+            with pytest.raises(CorruptDataError):
+                await import_sessions(store, tmp_path / f"{name}.tar")
+            assert [m async for m in store.sessions()] == []  # nothing was written
+        await import_sessions(store, tmp_path / "a.tar", tenant="other")
+    async with open_store(tmp_path / "dst", spec, tenant="other") as store:
+        got = await tfa.resume(store, "s", model)
+        assert got.restored_tokens == 45 and got.tokens == ids
+        logits = decode(model, got.cache, got.state["next"])
+        assert all(torch.equal(a, b) for a, b in zip(logits, want))
+        assert (await verify(store)).clean

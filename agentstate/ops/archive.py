@@ -68,13 +68,14 @@ import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agentstate import codec
+from agentstate import codec, model_state
 from agentstate.catalog import named_keys
 from agentstate.errors import (
     AgentStateError,
     ConflictError,
     CorruptDataError,
     InvalidArgumentError,
+    KVShapeError,
     NotFoundError,
     SessionNotFoundError,
     SpecMismatchError,
@@ -121,6 +122,9 @@ class ArchivedSession(BaseModel):
     """member holding the tokens after the last full chunk"""
     records: dict[str, str] = Field(default_factory=dict)
     """the session's records (`agentstate.records`: a framework's state), name -> member"""
+    model_state: str | None = None
+    """a hybrid model's session: the member holding its state after the last token (a codec frame
+    of the spec's `state_spec`, the layout's tensors as raw bytes)"""
 
 
 class ArchiveIndex(BaseModel):
@@ -172,9 +176,6 @@ async def export_sessions(
     members: dict[str, Member] = {}
     by_key: dict[str, str] = {}
     archived: list[ArchivedSession] = []
-    hybrid = [f"{m.tenant}/{m.session_id}" for m in manifests if m.state_key]
-    if hybrid:  # an archive holding the KV without the state would import as a session that resumes wrong
-        raise InvalidArgumentError(f"hybrid-model sessions cannot be exported yet (their model state): {hybrid[:5]}")
     progress.start("export", sum(m.num_tokens for m in manifests))
     try:
         with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
@@ -194,10 +195,15 @@ async def export_sessions(
                     if key not in by_key:
                         by_key[key] = _add(tar, members, kv[:, :, a:b], store.fingerprint)
                     names.append(by_key[key])
+                held = None
+                if m.state_key:  # a hybrid model's: the KV without its state would resume wrong, so both or none
+                    if result.model_state is None:
+                        raise CorruptDataError(f"session {m.tenant}/{m.session_id}: its model state does not restore")
+                    held = _add_state(tar, members, store.spec, result.model_state, m.num_tokens)
                 entry = ArchivedSession(
                     tenant=m.tenant, session_id=m.session_id, tokens=m.tokens, state=m.state,
                     ttl_seconds=m.ttl_seconds, guaranteed_until=m.guaranteed_until, pinned=m.pinned, parent=m.parent,
-                    chunk_tokens=ct,
+                    chunk_tokens=ct, model_state=held,
                     chunks=names[: len(m.chunk_keys)], tail=names[len(m.chunk_keys)] if m.tail_key else None,
                 )  # fmt: skip
                 _add_records(tar, members, entry, await store.for_tenant(m.tenant).records(m.session_id))
@@ -258,6 +264,18 @@ def _add(tar: tarfile.TarFile, members: dict[str, Member], kv: torch.Tensor, fin
     """Write `kv` as the next chunk member, its frame bound to the member's name (its key here)."""
     name = f"chunks/{len(members):06d}.kv"
     data = codec.encode(kv, fingerprint, key=name)
+    _put(tar, name, data)
+    members[name] = Member(size=len(data), xxh3=xxhash.xxh3_64_hexdigest(data))
+    return name
+
+
+def _add_state(
+    tar: tarfile.TarFile, members: dict[str, Member], spec: ModelSpec, tensors: dict[str, torch.Tensor], position: int
+) -> str:
+    """Write a hybrid session's state as the next member: its packed bytes, a frame of the state spec."""
+    assert spec.state_spec is not None
+    name = f"states/{len(members):06d}.state"
+    data = codec.encode(model_state.pack(spec, tensors, position), spec.state_spec.fingerprint, key=name)
     _put(tar, name, data)
     members[name] = Member(size=len(data), xxh3=xxhash.xxh3_64_hexdigest(data))
     return name
@@ -333,6 +351,8 @@ class _Plan:
     """what `snapshot` would count for it"""
     records: dict[str, bytes] = field(default_factory=dict)
     """the session's records, checked"""
+    model_state: torch.Tensor | None = None
+    """a hybrid model's session: its state, packed, checked"""
 
 
 async def _store_all(
@@ -390,7 +410,7 @@ async def _stage(
         reserve.grow(_UNDO_KEY_BYTES * len(keys))
         written.extend(keys)
 
-    p.usage = (await write_session(store.chunks, m, kv, before_write)).usage(m)
+    p.usage = (await write_session(store.chunks, m, kv, before_write, p.model_state, store.spec)).usage(m)
 
 
 _Replaced = list[tuple[str, str, dict[str, bytes], int]]
@@ -466,7 +486,8 @@ async def _check(
         if s.tail:
             _expect(tokens_of, s.tail, len(s.tokens) % s.chunk_tokens)
         prev = await store.catalog.get(owner, s.session_id)
-        manifest = _as_snapshot(store.for_tenant(owner), s, prev, force=force)
+        tensors = _checked_state(store, tar, index, s)
+        manifest = _as_snapshot(store.for_tenant(owner), s, prev, force=force, tensors=tensors)
         if prev is not None and not force:
             if prev.fingerprint != store.fingerprint:
                 raise SpecMismatchError(
@@ -481,7 +502,8 @@ async def _check(
             raise ConflictError(
                 f"session {owner}/{s.session_id} has records in the target; pass --force to overwrite it"
             )
-        plans.append(_Plan(owner, s, prev, manifest, records=_checked_records(store, tar, index, owner, s)))
+        plans.append(_Plan(owner, s, prev, manifest, records=_checked_records(store, tar, index, owner, s),
+                           model_state=None if tensors is None else model_state.pack(store.spec, tensors, len(s.tokens))))
     progress.start("check archive", len(tokens_of))
     for name, tokens in tokens_of.items():
         buf = _member(tar, name, index)
@@ -510,18 +532,41 @@ def _checked_records(
     return out
 
 
+def _checked_state(store: StateStore, tar: _Archive, index: ArchiveIndex, s: ArchivedSession) -> dict[str, torch.Tensor] | None:
+    """A hybrid session's state from its member, checked (checksum, bound to its member name, the
+    state spec's fingerprint, the layout's size after its tokens); None for a dense model's session.
+    CorruptDataError when a hybrid spec's session has none, or a dense one's names one."""
+    spec = store.spec
+    if (s.model_state is None) != (spec.state_spec is None):
+        raise CorruptDataError(
+            f"archive session {s.session_id}: " + ("no model state for a hybrid model's session" if s.model_state is None
+                                                   else "a model state for a model that has none")
+        )  # fmt: skip
+    if s.model_state is None or spec.state_spec is None or spec.state is None:
+        return None
+    size = spec.state.nbytes_at(len(s.tokens))
+    try:
+        payload = codec.decode(_member(tar, s.model_state, index), key=s.model_state,
+                               fingerprint=spec.state_spec.fingerprint, dtype=spec.state_spec.torch_dtype,
+                               shape=spec.state_spec.kv_shape(size))  # fmt: skip
+        return model_state.unpack(spec, payload.clone(), len(s.tokens))
+    except AgentStateError as exc:
+        raise CorruptDataError(f"archive member {s.model_state} is not a valid model state: {exc}") from None
+
+
 def _as_snapshot(
-    scoped: StateStore, s: ArchivedSession, prev: SessionManifest | None, *, force: bool
-) -> SessionManifest:
+    scoped: StateStore, s: ArchivedSession, prev: SessionManifest | None, *, force: bool,
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> SessionManifest:  # fmt: skip
     """The manifest `snapshot` would commit for an archived session; CorruptDataError where
     `snapshot` would refuse it, with snapshot's own checks: token ids, state, options, manifest."""
     try:
         request = check_snapshot(
             scoped, s.session_id, s.tokens, s.state, ttl_seconds=s.ttl_seconds,
-            guaranteed_until=s.guaranteed_until, pinned=s.pinned, force=force,
+            guaranteed_until=s.guaranteed_until, pinned=s.pinned, force=force, state_tensors=tensors,
         )  # fmt: skip
         return snapshot_manifest(scoped, request, prev)
-    except InvalidArgumentError as exc:
+    except (InvalidArgumentError, KVShapeError) as exc:
         raise CorruptDataError(f"archive session {scoped.tenant}/{s.session_id} would be refused: {exc}") from None
 
 
