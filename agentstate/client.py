@@ -36,9 +36,11 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequenc
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
+import xxhash
 from pydantic import BaseModel, ValidationError
 from typing_extensions import Self
 
+from agentstate import model_state as model_state_codec
 from agentstate.errors import (
     AgentStateError,
     BackendError,
@@ -76,6 +78,7 @@ from agentstate.wire import (
     kv_from,
     kv_payload,
     split_frame,
+    state_from,
 )
 
 try:
@@ -183,6 +186,14 @@ class AsyncClient:
 
     async def _frame(self, header_type: type[H], path: str, **kw: Any) -> tuple[H, torch.Tensor]:
         """POST, and read the frame it answers straight into one buffer the returned tensor owns."""
+        header, payload = await self._frame_bytes(header_type, path, **kw)
+        try:
+            return header, kv_from(header, payload)
+        except AgentStateError as exc:
+            raise CorruptDataError(f"{path}: response frame failed its checks: {exc}") from None
+
+    async def _frame_bytes(self, header_type: type[H], path: str, **kw: Any) -> tuple[H, memoryview]:
+        """POST, and the header and payload of the frame it answers (read into one buffer)."""
         for attempt in range(self.retries + 1):
             try:
                 async with self._http.stream("POST", path, **kw) as response:
@@ -199,22 +210,41 @@ class AsyncClient:
             raise _error(response)
         try:
             head, payload = split_frame(buf, _MAX_HEADER)
-            header = _parse(header_type, head)
-            return header, kv_from(header, payload)
+            return _parse(header_type, head), payload
         except AgentStateError as exc:
             raise CorruptDataError(f"{path}: response frame failed its checks: {exc}") from None
 
-    async def _upload(self, path: str, header: KVHeader, kv: torch.Tensor) -> httpx.Response:
+    async def _state_frame(self, path: str) -> tuple[ResumeHeader, torch.Tensor, dict[str, torch.Tensor] | None]:
+        """A resume's frame: its KV and, for a hybrid model, the state after the restored tokens (the
+        payload's last `model_state_bytes`; the checksum covers both)."""
+        header, payload = await self._frame_bytes(ResumeHeader, path)
+        try:
+            spec = await self.spec()
+            bare, kv_bytes, state = state_from(header, payload, spec, header.restored_tokens)
+            return header, kv_from(bare, kv_bytes), state
+        except AgentStateError as exc:
+            raise CorruptDataError(f"{path}: response frame failed its checks: {exc}") from None
+
+    async def _upload(self, path: str, header: KVHeader, kv: torch.Tensor, trailer: bytes = b"") -> httpx.Response:
+        """POST a frame: the header, `kv`'s bytes and `trailer` (a hybrid model's packed state)."""
         payload = kv_payload(kv)
-        header.xxh3 = checksum(payload)
+        if trailer:
+            digest = xxhash.xxh3_64()
+            digest.update(payload)
+            digest.update(trailer)
+            header.xxh3 = digest.intdigest()
+        else:
+            header.xxh3 = checksum(payload)
         prefix = frame_prefix(header)
 
         async def body() -> AsyncIterator[Any]:  # memoryview slices: the KV is not copied
             yield prefix
             for i in range(0, len(payload), _STEP):
                 yield payload[i : i + _STEP]
+            if trailer:
+                yield trailer
 
-        headers = {"content-type": FRAME_TYPE, "content-length": str(len(prefix) + len(payload))}
+        headers = {"content-type": FRAME_TYPE, "content-length": str(len(prefix) + len(payload) + len(trailer))}
         return await self._call("POST", path, content=body, headers=headers)
 
     async def _kv_header(self, kv: torch.Tensor, tokens: int) -> dict[str, Any]:
@@ -247,28 +277,36 @@ class AsyncClient:
         pinned: bool = False,
         expected_version: int | None = None,
         force: bool = False,
+        model_state: Mapping[str, torch.Tensor] | None = None,
     ) -> SessionInfo:
         """Durably store a new version of the session (see StateStore.snapshot): `ttl_seconds`
         expires it that long after its last write or hit, `guaranteed_until` (wall-clock seconds)
-        keeps it at least until then. Options are checked here first (InvalidArgumentError)."""
+        keeps it at least until then; `model_state`: a hybrid model's state after the last token
+        (required by a spec with a state layout). Options are checked here first (InvalidArgumentError,
+        KVShapeError)."""
         toks = token_array(tokens).tolist()
         kv_header = await self._kv_header(kv, len(toks))
+        packed = model_state_codec.checked(await self.spec(), model_state, len(toks))
+        trailer = b"" if packed is None else packed.reshape(-1).numpy().tobytes()
         try:
             header = SnapshotHeader(
                 **kv_header, tokens=toks, state=state or {}, ttl_seconds=ttl_seconds,
                 guaranteed_until=guaranteed_until, pinned=pinned, expected_version=expected_version, force=force,
+                model_state_bytes=len(trailer),
             )  # fmt: skip
         except ValidationError as exc:
             detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             raise InvalidArgumentError(f"invalid snapshot options: {detail}") from None
-        return _parse(SessionInfo, (await self._upload(_session(session_id, "/snapshot"), header, kv)).content)
+        path = _session(session_id, "/snapshot")
+        return _parse(SessionInfo, (await self._upload(path, header, kv, trailer)).content)
 
     async def resume(self, session_id: str) -> RemoteResumeResult:
         """The session's manifest and KV (`kv` holds its first `restored_tokens` tokens; bit-exact when
         `exact`, else within fp8's bound: see ResumeResult)."""
-        header, kv = await self._frame(ResumeHeader, _session(session_id, "/resume"))
+        header, kv, state = await self._state_frame(_session(session_id, "/resume"))
         return RemoteResumeResult(
-            manifest=header.manifest, kv=kv, restored_tokens=header.restored_tokens, exact=header.exact
+            manifest=header.manifest, kv=kv, restored_tokens=header.restored_tokens, exact=header.exact,
+            model_state=state,
         )
 
     async def fork(self, source_id: str, new_id: str) -> SessionInfo:
@@ -547,10 +585,11 @@ class Client:
         pinned: bool = False,
         expected_version: int | None = None,
         force: bool = False,
+        model_state: Mapping[str, torch.Tensor] | None = None,
     ) -> SessionInfo:
         return self._wait(self._async.snapshot(
             session_id, tokens, kv, state, ttl_seconds=ttl_seconds, guaranteed_until=guaranteed_until,
-            pinned=pinned, expected_version=expected_version, force=force,
+            pinned=pinned, expected_version=expected_version, force=force, model_state=model_state,
         ))  # fmt: skip
 
     def resume(self, session_id: str) -> RemoteResumeResult:

@@ -136,7 +136,16 @@ class KVHeader(_Strict):
     xxh3: int | None = Field(default=None, ge=0, description="xxh3_64 of the payload; checked when given")
 
 
-class SnapshotHeader(KVHeader):
+class StateTrailer(KVHeader):
+    """A frame whose payload may end with a hybrid model's state (`agentstate.model_state`)."""
+
+    model_state_bytes: int = Field(
+        default=0, ge=0, description="a hybrid model's state after the last token: the payload's last bytes (the"
+        " spec's state layout, its tensors' bytes one after another); xxh3 covers the whole payload",
+    )  # fmt: skip
+
+
+class SnapshotHeader(StateTrailer):
     tokens: list[int] = Field(min_length=1)
     state: dict[str, Any] = Field(default_factory=dict)
     ttl_seconds: float | None = Field(
@@ -157,7 +166,7 @@ class PrefixHeader(KVHeader):
     tokens: list[int]
 
 
-class ResumeHeader(KVHeader):
+class ResumeHeader(StateTrailer):
     manifest: SessionManifest
     restored_tokens: int = Field(ge=0)
     exact: bool = Field(
@@ -355,3 +364,32 @@ def kv_from(header: KVHeader, payload: memoryview, spec: ModelSpec | None = None
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(payload, dtype=dtype).view(shape)
+
+
+def state_from(
+    header: StateTrailer, payload: memoryview, spec: ModelSpec, tokens: int
+) -> tuple[StateTrailer, memoryview, dict[str, torch.Tensor] | None]:
+    """A frame's KV part and its hybrid model's state (`model_state_bytes` at the payload's end), the
+    whole payload's checksum checked here: (the header for the KV part, its bytes, the state's
+    tensors or None). KVShapeError when a hybrid spec's frame has no state or a dense one's has one,
+    or the state is not the layout's size after `tokens`."""
+    import torch
+
+    from agentstate import model_state
+
+    n = header.model_state_bytes
+    if (n > 0) != (spec.state is not None and tokens > 0):  # a resume that restored nothing has no state
+        raise KVShapeError(
+            "this spec is a hybrid model's: the frame must end with its state (model_state_bytes)" if n == 0
+            else "model_state_bytes given, but this spec has no state layout"
+        )
+    if header.xxh3 is not None and checksum(payload) != header.xxh3:
+        raise MalformedRequestError("payload checksum mismatch")
+    bare = header.model_copy(update={"xxh3": None})
+    if n == 0 or spec.state is None:
+        return bare, payload, None
+    if n != spec.state.nbytes_at(tokens) or n > len(payload):
+        raise KVShapeError(f"a state of {n} bytes; the layout holds {spec.state.nbytes_at(tokens)} after {tokens} tokens")
+    cut = len(payload) - n
+    state = torch.frombuffer(bytearray(payload[cut:]), dtype=torch.uint8)  # owned: the body's buffer goes
+    return bare, payload[:cut], model_state.unpack(spec, state, tokens)

@@ -340,3 +340,40 @@ async def test_a_hybrid_session_exports_and_imports_with_its_state(tmp_path: Pat
         logits = decode(model, got.cache, got.state["next"])
         assert all(torch.equal(a, b) for a, b in zip(logits, want))
         assert (await verify(store)).clean
+
+
+async def test_a_hybrid_session_over_the_http_api(tmp_path: Path) -> None:
+    """The session API carries a hybrid model's state after the KV in one frame (the header's
+    `model_state_bytes`, one checksum over both): snapshotted by the SDK, resumed through it, built
+    into a cache, the continuation is bit for bit the run that never stopped. Frames whose state is
+    missing, of the wrong size, or given to a dense spec are typed errors and store nothing."""
+    import httpx
+
+    from agentstate.client import AsyncClient
+    from agentstate.errors import KVShapeError
+    from tests.test_service import ALICE, frame, serving
+
+    model = build("lfm2")
+    spec = tfa.spec_for(model, model_id="test/lfm2")
+    ids = tokens(45, seed=12)
+    last, cache = run(model, ids)
+    nxt = int(last.argmax())
+    want = decode(model, copy.deepcopy(cache), nxt)
+    kv, state, _ = transformers_state.split(cache, spec)
+    async with open_store(tmp_path / "d", spec) as store, serving(store) as url:
+        async with AsyncClient(url, ALICE, spec=spec) as client:
+            with pytest.raises(KVShapeError):  # checked here before anything is sent
+                await client.snapshot("s", ids, kv)
+            info = await client.snapshot("s", ids, kv, {"next": nxt}, model_state=state)
+            assert info.num_tokens == 45
+            got = await client.resume("s")
+            assert got.restored_tokens == 45 and got.model_state is not None
+            assert all(torch.equal(got.model_state[k], v) for k, v in state.items())
+            built = transformers_state.build(model.config, spec, got.kv, got.model_state, model.device)
+            assert all(torch.equal(a, b) for a, b in zip(decode(model, built, nxt), want))
+        head = {"fingerprint": spec.fingerprint, "dtype": spec.dtype, "shape": list(kv.shape), "tokens": ids}
+        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {ALICE}"}) as http:
+            for bad in ({}, {"model_state_bytes": 7}):  # no state; a state of the wrong size
+                r = await http.post("/v1/sessions/bad/snapshot", content=frame({**head, **bad}, kv))
+                assert r.status_code in (400, 422) and r.json()["error"] in ("kv_shape", "malformed"), r.text
+        assert [m.session_id async for m in store.for_tenant("alice").sessions()] == ["s"]  # nothing else stored

@@ -53,6 +53,8 @@ from agentstate.errors import AgentStateError, BackendError, InvalidArgumentErro
 from agentstate.keys import validate_id
 from agentstate.server.metrics import Metrics
 from agentstate.store import StateStore
+import xxhash
+
 from agentstate.wire import (
     FRAME_TYPE,
     ErrorBody,
@@ -444,10 +446,20 @@ async def off_loop(fn: Any, *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-async def frame_response(header: KVHeader, payload: memoryview) -> Response:
-    """A frame sent from `payload` without copying it; the header gets the payload's xxh3."""
-    header.xxh3 = await off_loop(checksum, payload) if len(payload) > _STEP else checksum(payload)
-    return _FrameResponse(frame_prefix(header), payload)
+async def frame_response(header: KVHeader, payload: memoryview, trailer: memoryview | bytes = b"") -> Response:
+    """A frame sent from `payload` without copying it, then `trailer` (a hybrid model's state); the
+    header gets the xxh3 of both."""
+    header.xxh3 = await off_loop(_checksum, payload, trailer) if len(payload) > _STEP else _checksum(payload, trailer)
+    return _FrameResponse(frame_prefix(header), payload, memoryview(trailer))
+
+
+def _checksum(payload: memoryview, trailer: memoryview | bytes) -> int:
+    if not len(trailer):
+        return checksum(payload)
+    digest = xxhash.xxh3_64()
+    digest.update(payload)
+    digest.update(trailer)
+    return digest.intdigest()
 
 
 class _FrameResponse(Response):
@@ -455,15 +467,17 @@ class _FrameResponse(Response):
     StreamingResponse: that one reads the request concurrently to notice disconnects, which would
     race the gate draining an unread body."""
 
-    def __init__(self, prefix: bytes, payload: memoryview) -> None:
-        super().__init__(media_type=FRAME_TYPE, headers={"content-length": str(len(prefix) + len(payload))})
-        self.prefix, self.payload = prefix, payload
+    def __init__(self, prefix: bytes, payload: memoryview, trailer: memoryview) -> None:
+        size = len(prefix) + len(payload) + len(trailer)
+        super().__init__(media_type=FRAME_TYPE, headers={"content-length": str(size)})
+        self.prefix, self.payload, self.trailer = prefix, payload, trailer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         await send({"type": "http.response.body", "body": self.prefix, "more_body": True})
-        for i in range(0, len(self.payload), _STEP):
-            await send({"type": "http.response.body", "body": self.payload[i : i + _STEP], "more_body": True})
+        for part in (self.payload, self.trailer):
+            for i in range(0, len(part), _STEP):
+                await send({"type": "http.response.body", "body": part[i : i + _STEP], "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

@@ -41,6 +41,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from agentstate import codec
+from agentstate import model_state as model_state_codec
 from agentstate._version import __version__
 from agentstate.config import StoreConfig
 from agentstate.errors import AgentStateError, BackendError, InvalidArgumentError, NotFoundError
@@ -82,6 +83,7 @@ from agentstate.wire import (
     kv_from,
     kv_payload,
     split_frame,
+    state_from,
 )
 
 __all__ = ["Limits", "create_app", "run", "serve"]
@@ -235,12 +237,13 @@ def _sessions(app: FastAPI, ctx: ServiceContext, metrics: Metrics) -> None:
         fingerprint, dtype, shape and checksum hold."""
         head, payload = split_frame(await read_body(request), max_header)
         header = SnapshotHeader.model_validate_json(head)
-        kv = await off_loop(kv_from, header, payload, store.spec)
+        bare, kv_bytes, model_state = await off_loop(state_from, header, payload, store.spec, len(header.tokens))
+        kv = await off_loop(kv_from, bare, kv_bytes, store.spec)
         elapsed = metrics.timer()
         manifest = await store.snapshot(
             session_id, header.tokens, kv, header.state, ttl_seconds=header.ttl_seconds,
             guaranteed_until=header.guaranteed_until, pinned=header.pinned, expected_version=header.expected_version,
-            force=header.force,
+            force=header.force, model_state=model_state,
         )  # fmt: skip
         metrics.snapshot_seconds.observe(elapsed())
         return SessionInfo.of(manifest)
@@ -255,11 +258,15 @@ def _sessions(app: FastAPI, ctx: ServiceContext, metrics: Metrics) -> None:
         result = await store.resume(session_id)
         metrics.resume_seconds.observe(elapsed())
         assert result.kv is not None  # no `into`: the store allocates the tensor
+        trailer = memoryview(b"")
+        if result.model_state is not None:  # a hybrid model's: its state after the restored tokens, after the KV
+            trailer = kv_payload(model_state_codec.pack(store.spec, result.model_state, result.restored_tokens))
         header = ResumeHeader(
             fingerprint=store.fingerprint, dtype=store.spec.dtype, shape=list(result.kv.shape),
             manifest=result.manifest, restored_tokens=result.restored_tokens, exact=result.exact,
+            model_state_bytes=len(trailer),
         )  # fmt: skip
-        return await frame_response(header, kv_payload(result.kv))
+        return await frame_response(header, kv_payload(result.kv), trailer)
 
     @app.post("/v1/sessions/{session_id}/fork", response_model=SessionInfo, status_code=201, tags=["sessions"])
     async def fork(session_id: str, req: ForkRequest, store: Store) -> SessionInfo:
