@@ -32,7 +32,15 @@ from typing import Any, TypeVar, cast
 
 import torch
 from agentstate.adapters.runtime import LoopThread, never_raises
-from agentstate.adapters.sglang_pages import PageLayout, PagesTarget, SglangSettings, encode_page, size_of, valid_key
+from agentstate.adapters.sglang_pages import (
+    ExtraPool,
+    PageLayout,
+    PagesTarget,
+    SglangSettings,
+    encode_page,
+    size_of,
+    valid_key,
+)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, PoolTransferResult
 
 from agentstate.config import StoreConfig
@@ -66,6 +74,8 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         self.layout: PageLayout | None = None
         self._pool_view: torch.Tensor | None = None  # PageLayout.pool_view of the registered pool
         self._prefix = ""
+        self._shard = ""
+        self._extra: dict[str, ExtraPool] = {}  # a hybrid model's extra pools, by SGLang's pool name
         pool = (kwargs or {}).get("mem_pool_host")
         if pool is not None:
             self.register_mem_pool_host(pool)
@@ -93,6 +103,7 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
             self._run(self.store.close())
         self.store, self.layout, self._pool_view = None, None, None
         self._prefix = f"{SGLANG_PAGES.prefix}{spec.fingerprint}/{layout.page_size}/{shard}/"
+        self._shard, self._extra = shard, {}
         self.store = self._loop.run(self._open(config, spec), max(self.settings.timeout_s, 600.0))  # adopts every page
         self.layout = layout
         self._pool_view = layout.pool_view(mem_pool_host)
@@ -296,17 +307,105 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return bool(self.batch_set([key], [value]))
 
-    # v2 (hybrid pools: Mamba, SWA, indexer sidecars) is not stored here: no hits, nothing written.
+    # -- v2: a hybrid model's extra pools (Mamba states, sliding-window pages, sidecars) ---------
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """An extra host pool of a hybrid model (SGLang registers each after the KV pool): its pages are
+        stored as opaque bytes (`ExtraPool`), under the same page keys. Raises typed errors (startup)."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == "kv":  # the KV pool itself: its pages go through v1
+            return
+        store, layout, _ = self._ready()
+        self._extra[name] = ExtraPool.of(name, host_pool, store.spec, layout.page_size, self._shard)
+
+    @never_raises(lambda *_, **__: PoolTransferResult.empty())
     def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
-        return PoolTransferResult.empty()
+        """The longest prefix of `keys` (pages) whose KV and every extra pool's pages are stored, and
+        every shorter one that is (`restorable_prefix_pages`: a Mamba state exists at some boundaries
+        only, and SGLang's TP ranks agree on one they all hold). TRAILING_PAGES: a prefix of p pages
+        needs the pool's objects of its last N pages (N = the transfer's key count: its placeholders);
+        ALL_PAGES: of every page. A pool not registered, or another policy: no hit."""
+        keys = list(keys)
+        n = next((i for i, k in enumerate(keys) if not valid_key(k)), len(keys))
+        kv = self._run(self._leading([self.storage_key(k) for k in keys[:n]])) if n else 0
+        hits: dict[str, int] = {"kv": kv}
+        restorable = set(range(1, kv + 1))
+        for t in pool_transfers or []:
+            name = str(t.name)
+            if name == "kv":
+                continue
+            pool = self._extra.get(name)
+            policy = str(getattr(t.hit_policy, "value", t.hit_policy))
+            if pool is None or policy not in ("trailing_pages", "all_pages"):
+                return PoolTransferResult(0, {**hits, name: 0}, [])
+            held = self._run(self._present([pool.key(k) for k in keys[:kv]])) if kv else []
+            trailing = size_of(t.keys) if policy == "trailing_pages" else kv
+            ok = {p for p in range(1, kv + 1) if all(held[max(0, p - trailing) : p])}
+            hits[name] = max(ok, default=0)
+            restorable &= ok
+        best = max(restorable, default=0)
+        return PoolTransferResult(best, hits, sorted(restorable))
 
-    @never_raises(lambda *_, **__: {})
+    @never_raises(lambda transfers, *_, **__: _all_false(transfers))
     def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
-        return {str(t.name): [False] * size_of(t.keys or []) for t in transfers or []}
+        """Each extra pool's pages, read into its host slots (`host_indices[i * page_size]`): True per
+        page whose stored value was intact and copied in whole."""
+        return {str(t.name): self._pool_io(t, write=False) for t in transfers or []}
 
-    @never_raises(lambda *_, **__: {})
+    @never_raises(lambda transfers, *_, **__: _all_false(transfers))
     def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
-        return self.batch_get_v2(transfers, extra_info)
+        """Each extra pool's pages, copied out of its host slots and stored (a page already stored is kept)."""
+        return {str(t.name): self._pool_io(t, write=True) for t in transfers or []}
+
+    def _pool_io(self, transfer: Any, write: bool) -> list[bool]:
+        keys = list(transfer.keys or [])
+        pool = self._extra.get(str(transfer.name))
+        if str(transfer.name) == "kv":  # KV through v2 (a sidecar of the anchor): as v1
+            return (self.batch_set_v1 if write else self.batch_get_v1)(keys, transfer.host_indices)
+        if pool is None or transfer.host_indices is None:
+            return [False] * len(keys)
+        slots = pool.slots(keys, transfer.host_indices)
+        if slots is None:  # host indices that are not one page per key: nothing moved
+            self._count(bad_pages=len(keys))
+            return [False] * len(keys)
+        good = [i for i, k in enumerate(keys) if valid_key(k)]
+        try:
+            if write:
+                pages = {i: pool.page(slots[i]) for i in good}  # copied out here: SGLang reuses the slots once we return
+                self._run(self._put_pool(pool, [pool.key(keys[i]) for i in good], [pages[i] for i in good]))
+                self._count(pool_pages_set=len(good))
+                return [i in pages for i in range(len(keys))]
+            got = self._run(self._get_pool(pool, [pool.key(keys[i]) for i in good]))
+            ok = [False] * len(keys)
+            for i, page in zip(good, got):
+                if page is not None:
+                    pool.put(slots[i], page)
+                    ok[i] = True
+            self._count(pool_pages_read=sum(ok), pool_page_misses=len(keys) - sum(ok))
+            return ok
+        except Exception as exc:  # noqa: BLE001 - per call: a miss, never an exception into SGLang's thread
+            self._failed("set_v2" if write else "get_v2", exc)
+            return [False] * len(keys)
+
+    async def _put_pool(self, pool: ExtraPool, keys: list[str], pages: list[torch.Tensor]) -> None:
+        _, _, chunks = self._ready()
+        with chunks.pinned(keys):
+            new = await chunks.missing(keys, durable=False)
+            if new:
+                await chunks.write([keys[i] for i in new], [pages[i] for i in new], durable=False, spec=pool.spec)
+
+    async def _get_pool(self, pool: ExtraPool, keys: list[str]) -> list[torch.Tensor | None]:
+        _, _, chunks = self._ready()
+        out: list[torch.Tensor | None] = [None] * len(keys)
+
+        def land(i: int, src: torch.Tensor) -> None:
+            out[i] = src.reshape(-1).clone()
+
+        await chunks.discover(keys)
+        with chunks.pinned(keys):
+            await chunks.read_as(pool.spec, keys, [pool.nbytes] * len(keys), land)
+        return out
 
     @never_raises(lambda *_, **__: False)
     def clear(self) -> bool:
@@ -316,7 +415,8 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
     async def _clear(self) -> bool:
         _, _, chunks = self._ready()
         for tier in chunks.tier_names:
-            await chunks.delete(await chunks.scan(tier, self._prefix), [tier])
+            for prefix in [self._prefix, *(pool.prefix for pool in self._extra.values())]:
+                await chunks.delete(await chunks.scan(tier, prefix), [tier])
         return True
 
     def _record_io(self, kind: str, pages: int, moved: int, start: float) -> None:
@@ -369,3 +469,10 @@ class AgentStateStorage(HiCacheStorage):  # type: ignore[misc]
         finally:
             self.store, self.layout, self._pool_view = None, None, None
             self._loop.stop()
+
+
+def _all_false(transfers: Any) -> dict[str, list[bool]]:
+    try:
+        return {str(t.name): [False] * size_of(t.keys or []) for t in transfers or []}
+    except Exception:  # noqa: BLE001 - transfers SGLang would never send: nothing to answer for
+        return {}

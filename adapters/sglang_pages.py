@@ -17,10 +17,11 @@ import torch
 from pydantic import Field
 
 from agentstate import codec
+from agentstate.adapters import SGLANG_PAGES
 from agentstate.adapters.runtime import AdapterSettings
 from agentstate.errors import InvalidArgumentError
 from agentstate.memory import Buffer, host_buffer
-from agentstate.spec import DTYPE_NAMES, ModelSpec
+from agentstate.spec import DTYPE_NAMES, ModelSpec, StateLayout, StateTensor
 from agentstate.target import GuardedTarget
 
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
@@ -178,3 +179,62 @@ class PagesTarget(GuardedTarget):
     def _place(self, start: int, src: torch.Tensor) -> int:
         self.pages[start // self.page_size].copy_(src)
         return start // self.page_size
+
+
+@dataclass(frozen=True)
+class ExtraPool:
+    """One extra host pool of a hybrid model, as SGLang's v2 interface registers it (`mamba`: one
+    state per slot, kept at a radix node's last page; `swa`: a sliding window's token pages; a
+    sidecar). A page is the pool's own flat bytes (`get_data_page(slot, flat=True)`), stored as one
+    uint8 value of a spec of its own: the model's spec with that page as its state layout (named
+    after the pool), so a pool that lays its pages out otherwise or holds other bytes never reads
+    these. Its values live under the same page keys in that spec's page space (`prefix`), apart from
+    the KV pages: what `verify` of the rank's directory checks is the KV."""
+
+    name: str
+    pool: Any
+    spec: ModelSpec  # the uint8 spec a page is encoded in
+    nbytes: int
+    dtype: torch.dtype  # of the pool's flat pages
+    prefix: str
+
+    @classmethod
+    def of(cls, name: str, pool: Any, kv_spec: ModelSpec, page_size: int, shard: str) -> ExtraPool:
+        """InvalidArgumentError for a pool whose pages cannot be read as flat bytes (startup)."""
+        try:
+            page = pool.get_dummy_flat_data_page()
+            per = int(pool.page_size)
+            int(pool.size)
+        except Exception as exc:  # noqa: BLE001 - anything SGLang's pool raises: refused at attach
+            raise InvalidArgumentError(f"extra host pool {name!r} has no flat pages: {exc}") from None
+        nbytes = page.numel() * page.element_size()
+        if not isinstance(page, torch.Tensor) or nbytes <= 0 or per <= 0 or not re.fullmatch(r"[a-z0-9_]{1,64}", name):
+            raise InvalidArgumentError(f"extra host pool {name!r}: pages of {nbytes} bytes, {per} slots each")
+        layout = StateLayout(tensors=(StateTensor(name=f"sglang.{name}", shape=(nbytes,), dtype="uint8"),))
+        spec = kv_spec.model_copy(update={"state": layout}).state_spec
+        assert spec is not None
+        return cls(name, pool, spec, nbytes, page.dtype, f"{SGLANG_PAGES.prefix}{spec.fingerprint}/{page_size}/{shard}/")
+
+    def key(self, key: str) -> str:
+        return self.prefix + key
+
+    def slots(self, keys: list[str], host_indices: Any) -> list[int] | None:
+        """The host slot of each key's page (`host_indices[i * page_size]`), None unless the indices
+        are one page per key, each page inside the pool."""
+        indices = torch.as_tensor(host_indices).flatten()
+        per, size = int(self.pool.page_size), int(self.pool.size)
+        if indices.numel() != len(keys) * per:
+            return None
+        slots = [int(s) for s in indices[::per].tolist()]
+        return slots if all(0 <= s < size and s % per == 0 for s in slots) else None
+
+    def page(self, slot: int) -> torch.Tensor:
+        """A copy of the page at `slot`, as the value's `(1, 1, nbytes, 1, 1)` uint8 payload."""
+        raw = self.pool.get_data_page(slot, flat=True).contiguous().view(torch.uint8).reshape(-1).clone()
+        if raw.numel() != self.nbytes:
+            raise InvalidArgumentError(f"pool {self.name} page of {raw.numel()} bytes, {self.nbytes} expected")
+        return raw.view(1, 1, -1, 1, 1)
+
+    def put(self, slot: int, page: torch.Tensor) -> None:
+        """Copy a stored page (checked, `nbytes` long) into the pool's `slot`."""
+        self.pool.set_from_flat_data_page(slot, page.reshape(-1).view(self.dtype))

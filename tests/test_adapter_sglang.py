@@ -322,8 +322,10 @@ def test_bad_input_answers_false_never_raises(attach: Callable[..., AgentStateSt
     assert backend.set("w", torch.zeros(2 * 3 * PS * 2 * 16, dtype=torch.float16)) is False  # wrong dtype
     assert backend.get("ok", torch.zeros(5, dtype=torch.bfloat16)) is None  # target of the wrong size
     assert backend.batch_get(["ok"], None)[0] is not None and backend.batch_get(None) == []  # type: ignore[arg-type]
-    assert backend.batch_exists_v2(["ok"]).kv_hit_pages == 0  # hybrid (v2) pools are not stored here
+    hit = backend.batch_exists_v2(["ok", "../x"])  # v2 without extra pools: the KV pages' hit (the bad key ends it)
+    assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (1, [1])
     assert backend.batch_set_v2(None) == {} and backend.batch_get_v2([object()]) == {}  # type: ignore[arg-type]
+    assert backend.batch_exists_v2(["ok"], [object()]).kv_hit_pages == 0  # type: ignore[list-item]
     counts = backend.counters()
     assert counts["bad_pages"] >= 10 and counts["errors"] >= 4
     backend.close()
