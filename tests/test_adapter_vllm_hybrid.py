@@ -52,6 +52,8 @@ C = 288  # vLLM's attention block on this model, so the chunk
 H1 = toks(2 * C + 1, 11)
 H2 = H1[: 2 * C] + toks(C + 1, 12)  # H1's first two chunks, then one of its own and a token
 SESSION = {"agentstate": {"session_id": "hybrid-1", "state": {"turn": 1}}}
+SESSION2 = {"agentstate": {"session_id": "hybrid-1", "state": {"turn": 2}}}
+EXTRA = toks(1, 13)  # the next turn computes two tokens past the session: its state decides them
 
 
 def job(model: str, data: Path | None, rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -74,8 +76,9 @@ def model(tmp: Path) -> str:
 
 @pytest.fixture(scope="module")
 def base(tmp: Path, model: str) -> dict[str, Any]:
-    out = run_engine(tmp, "base", job(model, None, [[req(H1)], [req(H2)]]))
-    return {"H1": out["rounds"][0][0], "H2": out["rounds"][1][0]}
+    turn2 = {"continue": [0, 0], "extra": EXTRA, "max_tokens": 8}
+    out = run_engine(tmp, "base", job(model, None, [[req(H1)], [req(H2)], [turn2]]))
+    return {"H1": out["rounds"][0][0], "H2": out["rounds"][1][0], "turn2": out["rounds"][2][0]}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +88,8 @@ def data(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def conn(tmp: Path, model: str, data: Path) -> dict[str, Any]:
-    rounds = [[req(H1)], [req(H1)], [req(H2)], [req(H1, params=SESSION)]]
+    turn2 = {"continue": [3, 0], "extra": EXTRA, "max_tokens": 8, "params": SESSION2}
+    rounds = [[req(H1)], [req(H1)], [req(H2)], [req(H1, params=SESSION)], [turn2]]
     return run_engine(tmp, "conn", job(model, data, rounds))
 
 
@@ -99,16 +103,27 @@ def test_hybrid_prefix_loads_its_chunks_and_state(base: dict[str, Any], conn: di
     """H1 stores two chunks and the GDN state at their end; the same prompt then loads them (vLLM's own
     cache emptied) and continues token-identical to the engine without the connector; H2 loads H1's
     boundary and goes on from there."""
-    (h1,), (h1b,), (h2,), (h1s,) = conn["rounds"]
+    (h1,), (h1b,), (h2,), (h1s,), _ = conn["rounds"]
     assert h1["cached"] == 0 and h1["tokens"] == base["H1"]["tokens"]
     assert _metric(conn, 0, "states_saved") >= 1
     assert h1b["cached"] == 2 * C and h1b["tokens"] == base["H1"]["tokens"]
     assert _metric(conn, 1, "states_loaded") == 1
     assert h2["cached"] == 2 * C and h2["tokens"] == base["H2"]["tokens"]
     assert _metric(conn, 2, "states_saved") >= 1  # the step after the load ends at 864: another boundary
-    # a request naming a session: served and hit as a prefix (the session part is logged and dropped)
     assert h1s["cached"] == 2 * C and h1s["tokens"] == base["H1"]["tokens"]
     assert conn["metrics"].get("vllm:agentstate_errors", 0) == 0
+
+
+def test_hybrid_session_resumes_whole_at_its_exact_end(base: dict[str, Any], conn: dict[str, Any]) -> None:
+    """A request naming a session is snapshotted when it finishes: its tokens' KV and the GDN state after
+    its last one (vLLM's align mode keeps the running state in the block holding that token). The next
+    turn, whose prompt extends it, loads all of it (584 tokens: not a chunk boundary) and continues
+    token-identical to the engine without the connector."""
+    turn2 = conn["rounds"][4][0]
+    n = len(H1) + 8 - 1  # the first turn's prompt and output, the last sampled token excepted
+    assert conn["metrics"].get("vllm:agentstate_sessions_saved") == 1  # written off the step: counted by the next
+    assert turn2["cached"] == n and turn2["tokens"] == base["turn2"]["tokens"]
+    assert _metric(conn, 4, "states_loaded") == 1
 
 
 def _keys(spec: ModelSpec, tokens: list[int]) -> list[str]:
@@ -128,6 +143,9 @@ def library(conn: dict[str, Any], data: Path) -> bool:
                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert cli.returncode == 0, (cli.stdout[-2000:], cli.stderr[-2000:])
     keys = _keys(spec, H2[: 3 * C])
+    ls = subprocess.run([sys.executable, "-m", "agentstate", "ls", "--path", str(data), "--json"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert ls.returncode == 0 and "hybrid-1" in ls.stdout, ls.stderr[-2000:]
 
     async def check() -> None:
         recorded = recorded_config(data)  # the engine's chunk size (its block: 288)
@@ -138,6 +156,8 @@ def library(conn: dict[str, Any], data: Path) -> bool:
             assert await store.lookup_keys(_keys(spec, H1[: 2 * C] + toks(C, 99))) == 2  # H1's boundary, not past it
             state = await store.prefix_state(H2, 3 * C)
             assert state is not None and set(state) == {t.name for t in spec.state.tensors}
+            session = await store.resume("hybrid-1")  # the second turn's snapshot: KV and state, whole
+            assert session.complete and session.model_state is not None and session.state == {"turn": 2}
             value = await store.chunks.raw_value("lmdb", boundary_key(keys[2]))
             assert value is not None
             bad = bytearray(value)

@@ -46,7 +46,8 @@ on and gives each request block ids per KV cache group (full attention, sliding 
 mode). Chunks hold every attention layer's KV; a Mamba model's state is stored where a prefill step ends
 on a chunk boundary (copied out on the step: vLLM frees that block two steps on) and loaded with the
 chunks up to the last such boundary; a load that fails in part is a failed request, recomputed whole.
-Their turns are stored as prefixes: a `session_id` is dropped (logged).
+A Mamba model's session keeps the state after its last token (from the block holding it) and resumes
+whole; a sliding-window model's turns are stored as prefixes only (a `session_id` is dropped, logged).
 
 Sessions: a request whose `kv_transfer_params` holds `{"agentstate": {"session_id": ..., "state":
 {...}}}` is snapshotted when it finishes (its blocks are held until then): tokens with computed KV

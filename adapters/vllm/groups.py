@@ -54,6 +54,12 @@ class KVGroups:
         return next(iter(self.mamba.values()), None)
 
     @property
+    def sessions(self) -> bool:
+        """Whether named sessions can be kept: a session is every token's KV and the state at its end,
+        which a request's blocks hold when it finishes, unless a sliding group let earlier ones go."""
+        return "sliding" not in self.kinds
+
+    @property
     def window(self) -> int | None:
         """The narrowest sliding window: blocks before it may have left a running request."""
         return min((w for w in self.windows if w is not None), default=None)

@@ -101,9 +101,9 @@ class Loads:
         return done
 
     async def _state(self, store: StateStore, job: LoadJob, last: str, target: BlocksTarget) -> None:
-        """A Mamba model's load: its state after `job.end` tokens (stored at the boundary after the last
-        chunk) into the state block, unless the load timed out meanwhile (the target is closed)."""
-        boundary, block = boundary_key(last), job.state_block
+        """A Mamba model's load: its state after `job.end` tokens (a session's, or the boundary's after
+        the last chunk) into the state block, unless the load timed out meanwhile (the target is closed)."""
+        boundary, block = job.state_key or boundary_key(last), job.state_block
         assert block is not None
         with store.chunks.pinned([boundary]):
             state = await model_state.read(store.chunks, self.config.spec, boundary, job.end)

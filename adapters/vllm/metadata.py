@@ -35,7 +35,9 @@ class LoadJob:
     groups: list[list[int]] | None = None
     """a hybrid model's block ids per KV cache group (`block_ids` is then its first attention group's)"""
     state_block: int | None = None
-    """a Mamba model's: the block its state after `end` tokens goes into (the end is a chunk boundary)"""
+    """a Mamba model's: the block its state after `end` tokens goes into (the block holding token `end - 1`)"""
+    state_key: str | None = None
+    """a Mamba model's session: the key of its state after `end` tokens (else the boundary after the last chunk)"""
 
 
 @dataclass
@@ -67,6 +69,10 @@ class SessionJob:
     state: dict[str, Any]
     tokens: list[int]
     block_ids: list[int]
+    groups: list[list[int]] | None = None
+    """a hybrid model's block ids per KV cache group (`block_ids` is its first attention group's)"""
+    state_block: int | None = None
+    """a Mamba model's: the block holding its state after the session's last token"""
 
 
 @dataclass

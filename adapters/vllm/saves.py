@@ -167,6 +167,21 @@ class Saves:
         stored = await view.put_chunks(job.tokens, chunks, model_state=state)
         self.counts.add(stored_tokens=stored, states_saved=int(state is not None))
 
+    def _copy_session(
+        self, blocks: EngineBlocks, job: SessionJob, ready: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """A finished request's KV of every token (held blocks: off the step), and a Mamba model's state
+        after its last token."""
+        if job.groups is None:
+            kv = self._copy_out(blocks, job.block_ids, len(job.tokens), ready, None)
+            assert kv is not None
+            return kv, None
+        if ready is not None:
+            ready.synchronize()
+        n = len(job.tokens)
+        kv = blocks.gather(job.block_ids, n, self.config.spec.empty_kv(n), job.groups)
+        return kv, blocks.state_at(job.state_block) if job.state_block is not None else None
+
     async def _known(self, store: StateStore, keys: list[str]) -> list[bool]:
         missing = set(await store.chunks.missing(keys, durable=False)) if keys else set()
         return [i not in missing for i in range(len(keys))]
@@ -241,15 +256,14 @@ class Saves:
     ) -> None:
         try:
             try:
-                kv = await asyncio.to_thread(self._copy_out, blocks, job.block_ids, len(job.tokens), ready, None)
+                kv, state = await asyncio.to_thread(self._copy_session, blocks, job, ready)
             finally:
                 read.set_result(None)
-            assert kv is not None
             view = store.for_tenant(job.tenant)
             try:
-                await view.snapshot(job.session_id, job.tokens, kv, job.state)
+                await view.snapshot(job.session_id, job.tokens, kv, job.state, model_state=state)
             except ConflictError:  # another writer of this id committed meanwhile: the newest turn wins
-                await view.snapshot(job.session_id, job.tokens, kv, job.state, force=True)
+                await view.snapshot(job.session_id, job.tokens, kv, job.state, force=True, model_state=state)
             self.counts.add(sessions_saved=1)
         except Exception as exc:  # noqa: BLE001
             self.counts.failed("snapshot", exc)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.v1.request import Request
 
 
@@ -121,11 +122,11 @@ class SchedulerSide:
             params = parse_params(request.kv_transfer_params)
         except Exception as exc:  # noqa: BLE001 - parse_params never raises; served without params if it did
             params = RequestParams(problems=(("agentstate params", clip_message(exc)),))
-        if self.config.groups is not None and params.session_id is not None:
-            # a session's tail would need the model's state at its exact end, which vLLM keeps at block
-            # boundaries only: the turn is stored as a prefix (chunks and boundary states), not a session
-            problem = ("session_id", "InvalidArgumentError: the vLLM connector stores a hybrid model's turns as"
-                       " prefixes, not as named sessions (yet)")  # fmt: skip
+        if self.config.groups is not None and not self.config.groups.sessions and params.session_id is not None:
+            # a session is every token's KV: a sliding group lets the blocks before its window go while the
+            # request runs, so the turn is stored as a prefix (its chunks), not a session
+            problem = ("session_id", "InvalidArgumentError: the vLLM connector stores a sliding-window model's turns"
+                       " as prefixes, not as named sessions (yet)")  # fmt: skip
             params = RequestParams(None, None, None, (*params.problems, problem))
         for part, problem in params.problems:
             log.warning("agentstate: request %s is served without its %s: %s", clip(req_id), part, problem)
@@ -206,11 +207,12 @@ class SchedulerSide:
             # every TP rank holds the session alike (its snapshot of the same turn); a tail is each rank's own value
             n, full = sess[0]["tokens"], len(sess[0]["chunk_keys"])
             tails = [s["tail_key"] for s in sess]
-            if n > hit and sess[0]["chunk_tokens"] == c:
-                hit = min(n, limit)
+            if n > hit and sess[0]["chunk_tokens"] == c and (self.config.groups is None or n <= limit):
+                hit = min(n, limit)  # a hybrid session is loaded whole (its state is after its last token) or not at all
                 plan = {"keys": sess[0]["chunk_keys"], "chunks": full, "tail_key": tails[0],
                         "tails": tails if len(set(tails)) > 1 else None,
-                        "tail_tokens": n - full * c, "tail_stored": sess[0].get("tail_stored")}  # fmt: skip
+                        "tail_tokens": n - full * c, "tail_stored": sess[0].get("tail_stored"),
+                        "state_key": sess[0].get("state_key")}  # fmt: skip
         if hit <= num_computed_tokens:
             return 0, False
         self._matched[request.request_id] = (num_computed_tokens, {**plan, "end": hit})
@@ -262,7 +264,9 @@ class SchedulerSide:
             spans.append((n_full * c, plan["tail_tokens"]))
             stored.append(int(plan.get("tail_stored") or plan["tail_tokens"]))
             tails = plan.get("tails")
-        return LoadJob(req_id, keys, spans, block_ids, first, end, tenant, stored, tails)
+        job = LoadJob(req_id, keys, spans, block_ids, first, end, tenant, stored, tails)
+        job.state_key = plan.get("state_key")
+        return job
 
     def _plan_groups(self, job: LoadJob, groups: list[list[int]]) -> None:
         """A hybrid model's load: every group's blocks, and where a Mamba model's state after `end`
@@ -271,11 +275,11 @@ class SchedulerSide:
         group = self.config.groups.state_group if self.config.groups is not None else None
         if group is None or not job.keys:
             return
-        bs, end = self.config.block_size, job.end
-        ids = groups[group]
-        if end % self.config.chunk_tokens or not 0 < end // bs <= len(ids) or ids[end // bs - 1] == NULL_BLOCK:
+        end, ids = job.end, groups[group]
+        at = -(-end // self.config.block_size) - 1  # the block holding token end - 1: where align mode keeps the state
+        if not (job.state_key or end % self.config.chunk_tokens == 0) or not 0 <= at < len(ids) or ids[at] == NULL_BLOCK:
             raise ValueError(f"no state block at token {end} of a hybrid model's load")
-        job.state_block = ids[end // bs - 1]
+        job.state_block = ids[at]
 
     # -- each step ---------------------------------------------------------------------------------
 
@@ -411,6 +415,15 @@ class SchedulerSide:
         if session is not None and n > 0 and kv_ids:
             tokens = list(request.all_token_ids[:n])
             session_job = SessionJob(req_id, tenant, session[0], session[1], tokens, list(kv_ids))
+            if self.config.groups is not None:  # every group's blocks; a Mamba model's state after token n
+                session_job.groups = [list(ids) for ids in block_ids]
+                group = self.config.groups.state_group
+                at = -(-n // self.config.block_size) - 1
+                if group is not None:
+                    ids = block_ids[group]
+                    if not 0 <= at < len(ids) or ids[at] == NULL_BLOCK:
+                        raise ValueError(f"no state block at token {n} of a finished hybrid request")
+                    session_job.state_block = ids[at]
         if hint_job is not None:
             self._hint_jobs.append(hint_job)
         if session_job is not None:

@@ -170,6 +170,8 @@ class WorkerSide:
         c = manifest.chunk_tokens
         if n == 0:
             return None
+        if manifest.state_key is not None and not (n == manifest.num_tokens < len(tokens)):
+            return None  # a hybrid session's state is after its last token: whole, before a token to compute, or no hit
         full = list(manifest.chunk_keys[: n // c])
         if n % c == 0:
             part, held = None, 0
@@ -177,10 +179,12 @@ class WorkerSide:
             part, held = manifest.chunk_keys[n // c], c  # the prompt leaves the session inside a chunk
         else:
             part, held = manifest.tail_key, manifest.tail_tokens
-        if not all(await view.chunks.present([*full, *([part] if part else [])])):
+        state = [manifest.state_key] if manifest.state_key else []
+        if not all(await view.chunks.present([*full, *([part] if part else []), *state])):
             return None
         full, part = self.config.planned_form(full), part and self.config.planned_form([part])[0]
-        return {"tokens": n, "chunk_keys": full, "tail_key": part, "tail_stored": held, "chunk_tokens": c}
+        return {"tokens": n, "chunk_keys": full, "tail_key": part, "tail_stored": held, "chunk_tokens": c,
+                "state_key": manifest.state_key}  # fmt: skip
 
     # -- each step ---------------------------------------------------------------------------------
 
