@@ -20,3 +20,26 @@ except Exception:  # only a CUDA torchvision exists on PyPI: SGLang's config reg
 """PyPI has only a CUDA torchvision, which fails to import beside the CPU torch, and SGLang's config
 registry imports it (for images): where it does not import, an empty placeholder package stands in.
 transformers decides torchvision's availability on import, so it is imported before the placeholder."""
+
+
+def run_child(script: str, *args: str) -> dict:
+    """Run `script` (it starts with TORCHVISION_PLACEHOLDER) in a fresh interpreter with this checkout on
+    its path, and return the JSON of its last line, `RESULT {...}`. A child that prints `SKIP "<module>"`
+    (an SGLang module it imports is missing) skips the test, or fails it in CI."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.requires import skip_or_fail
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", script, *args], check=False, cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    lines = proc.stdout.splitlines()
+    if lines and lines[-1].startswith("SKIP "):
+        skip_or_fail(f"SGLang's host pool module needs {json.loads(lines[-1][5:])!r} (not in requirements-sglang.txt)")
+    assert proc.returncode == 0 and lines and lines[-1].startswith("RESULT "), proc.stderr[-4000:]
+    return dict(json.loads(lines[-1][7:]))

@@ -12,9 +12,6 @@ skipped, saying which package is missing, where they are not installed. Comparis
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,8 +22,8 @@ import lmdb
 import pytest
 import torch
 
-from tests.requires import require_module, skip_or_fail  # noqa: I001 (guards the imports below)
-from tests.sglang_child import TORCHVISION_PLACEHOLDER
+from tests.requires import require_module  # noqa: I001 (guards the imports below)
+from tests.sglang_child import TORCHVISION_PLACEHOLDER, run_child
 require_module("sglang.srt.mem_cache.storage.backend_factory", "install requirements-sglang.txt as .ci/run does")
 from agentstate.adapters.sglang import AgentStateStorage
 from agentstate.errors import SpecMismatchError
@@ -428,15 +425,7 @@ print("RESULT " + json.dumps(out))
 
 def test_real_host_pool(tmp_path: Path) -> None:
     """SGLang's real device pools (on cpu) and host pools, every MHA and MLA layout, through the factory."""
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), json.dumps(EXTRA)], check=False, cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    lines = proc.stdout.splitlines()
-    if lines and lines[-1].startswith("SKIP "):
-        skip_or_fail(f"SGLang's host pool module needs {json.loads(lines[-1][5:])!r} (not in requirements-sglang.txt)")
-    assert proc.returncode == 0 and lines and lines[-1].startswith("RESULT "), proc.stderr[-4000:]
-    results = json.loads(lines[-1][7:])
+    results = run_child(CHILD, str(tmp_path), json.dumps(EXTRA))
     runs = [k for k in results if k.count("/") == 1]
     assert len(runs) == 7  # MHA: 4 layouts, MLA: 3
     for name in runs:

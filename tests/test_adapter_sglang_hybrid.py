@@ -13,16 +13,12 @@ needs a GPU machine: not written yet).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.requires import require_module, skip_or_fail
-from tests.sglang_child import TORCHVISION_PLACEHOLDER
+from tests.requires import require_module
+from tests.sglang_child import TORCHVISION_PLACEHOLDER, run_child
 
 require_module("sglang.srt.mem_cache.storage.backend_factory", "install requirements-sglang.txt as .ci/run does")
 
@@ -150,17 +146,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("sglang-hybrid")
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp), json.dumps(EXTRA)], check=False, cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    lines = proc.stdout.splitlines()
-    if lines and lines[-1].startswith("SKIP "):
-        skip_or_fail(f"SGLang's host pool module needs {json.loads(lines[-1][5:])!r} (not in requirements-sglang.txt)")
-    assert proc.returncode == 0 and lines and lines[-1].startswith("RESULT "), proc.stderr[-4000:]
-    return json.loads(lines[-1][7:])
-
+    return run_child(CHILD, str(tmp_path_factory.mktemp("sglang-hybrid")), json.dumps(EXTRA))
 
 def test_backups_and_the_hit_query(results: dict[str, Any]) -> None:
     """KV pages through v1, Mamba states (after pages 4 and 8) and the last two SWA pages through v2;

@@ -70,19 +70,25 @@ def decode(model: Any, cache: Any, token: int, steps: int = 8) -> list[torch.Ten
     return logits
 
 
+def reference(arch: str, seed: int) -> tuple[Any, Any, list[int], Any, int, list[torch.Tensor]]:
+    """A tiny model of `arch`, its spec, 45 prompt tokens, the cache after them, the next token and the
+    logits of 8 decode steps of the run that never stopped (what a resumed session must equal)."""
+    model = build(arch)
+    spec = tfa.spec_for(model, model_id=f"test/{arch}")
+    ids = tokens(45, seed=seed)
+    last, cache = run(model, ids)
+    nxt = int(last.argmax())
+    return model, spec, ids, cache, nxt, decode(model, copy.deepcopy(cache), nxt)
+
+
 def open_store(path: Path, spec: Any, **kw: Any) -> Any:
     return StateStore.open(path, spec, chunk_tokens=C, lmdb_map_size=64 << 20, **kw)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 async def test_a_resumed_session_continues_as_the_run_that_never_stopped(tmp_path: Path, arch: str) -> None:
-    model = build(arch)
-    spec = tfa.spec_for(model, model_id=f"test/{arch}")
+    model, spec, ids, cache, nxt, want = reference(arch, seed=1)
     assert spec.state is not None
-    ids = tokens(45, seed=1)
-    last, cache = run(model, ids)
-    nxt = int(last.argmax())
-    want = decode(model, copy.deepcopy(cache), nxt)
     async with open_store(tmp_path / "d", spec) as store:
         await tfa.snapshot(store, "s", ids, cache, {"next": nxt})
     async with open_store(tmp_path / "d", spec) as store:  # from disk, after a restart
@@ -301,12 +307,7 @@ async def test_a_hybrid_session_exports_and_imports_with_its_state(tmp_path: Pat
     from agentstate.errors import CorruptDataError
     from agentstate.ops.archive import export_sessions, import_sessions
 
-    model = build("qwen3_next")
-    spec = tfa.spec_for(model, model_id="test/qwen3_next")
-    ids = tokens(45, seed=11)
-    last, cache = run(model, ids)
-    nxt = int(last.argmax())
-    want = decode(model, copy.deepcopy(cache), nxt)
+    model, spec, ids, cache, nxt, want = reference("qwen3_next", seed=11)
     async with open_store(tmp_path / "src", spec) as store:
         await tfa.snapshot(store, "s", ids, cache, {"next": nxt})
         report = await export_sessions(store, tmp_path / "a.tar")
@@ -353,12 +354,7 @@ async def test_a_hybrid_session_over_the_http_api(tmp_path: Path) -> None:
     from agentstate.errors import KVShapeError
     from tests.test_service import ALICE, frame, serving
 
-    model = build("lfm2")
-    spec = tfa.spec_for(model, model_id="test/lfm2")
-    ids = tokens(45, seed=12)
-    last, cache = run(model, ids)
-    nxt = int(last.argmax())
-    want = decode(model, copy.deepcopy(cache), nxt)
+    model, spec, ids, cache, nxt, want = reference("lfm2", seed=12)
     kv, state, _ = transformers_state.split(cache, spec)
     async with open_store(tmp_path / "d", spec) as store, serving(store) as url:
         async with AsyncClient(url, ALICE, spec=spec) as client:
