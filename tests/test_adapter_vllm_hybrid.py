@@ -105,11 +105,11 @@ def test_hybrid_prefix_loads_its_chunks_and_state(base: dict[str, Any], conn: di
     boundary and goes on from there."""
     (h1,), (h1b,), (h2,), (h1s,), _ = conn["rounds"]
     assert h1["cached"] == 0 and h1["tokens"] == base["H1"]["tokens"]
-    assert _metric(conn, 0, "states_saved") >= 1
     assert h1b["cached"] == 2 * C and h1b["tokens"] == base["H1"]["tokens"]
     assert _metric(conn, 1, "states_loaded") == 1
     assert h2["cached"] == 2 * C and h2["tokens"] == base["H2"]["tokens"]
-    assert _metric(conn, 2, "states_saved") >= 1  # the step after the load ends at 864: another boundary
+    # (its step after the load ends at 864: the state there is stored, which `library` finds; writes land
+    # off the step, so a round's metrics may not count them yet)
     assert h1s["cached"] == 2 * C and h1s["tokens"] == base["H1"]["tokens"]
     assert conn["metrics"].get("vllm:agentstate_errors", 0) == 0
 
@@ -184,7 +184,6 @@ def test_damaged_state_recomputes_the_request_and_is_stored_again(base: dict[str
     (h2,), (h2b,), (h1,) = again["rounds"]
     assert h2["tokens"] == base["H2"]["tokens"]
     assert _metric(again, 0, "states_loaded") == 0
-    assert _metric(again, 0, "states_saved") >= 1
     assert h2b["cached"] == 3 * C and h2b["tokens"] == base["H2"]["tokens"]
     assert _metric(again, 1, "states_loaded") == 1
     assert h1["cached"] == 2 * C and h1["tokens"] == base["H1"]["tokens"]

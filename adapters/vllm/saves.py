@@ -54,6 +54,9 @@ class Saves:
         self.saving: dict[tuple[str, str], Future[None]] = {}
         # per request, its writes in flight: a paused hint of the request waits for them
         self.by_request: dict[str, list[Future[None]]] = {}
+        # chunk key (this rank's) -> the write storing it: a lookup of a prompt whose prefix is being
+        # written right now (the agent's next turn, a moment after the last) waits for it, not a miss
+        self.writing: dict[str, Future[None]] = {}
         self._pending = 0  # chunks handed to the loop, not yet written
         self._lock = threading.Lock()
 
@@ -114,6 +117,9 @@ class Saves:
             self.writes.append(write)
             mine = [f for f in self.by_request.get(job.req_id, []) if not f.done()]
             self.by_request[job.req_id] = [*mine, write]
+            live = {k: f for k, f in self.writing.items() if not f.done()}  # replaced whole: the loop reads it
+            live.update(dict.fromkeys(self.config.own(job.keys), write))
+            self.writing = live
 
     def prune(self) -> None:
         self.writes = [f for f in self.writes if not f.done()]
@@ -127,13 +133,14 @@ class Saves:
             if ready is not None:
                 ready.synchronize()
             chunks: dict[int, torch.Tensor | NativeKV] = {}
-            if job.chunks:
+            todo = self._unknown(job)
+            if todo:
                 assert job.groups is not None
-                ids = [b for j in job.chunks for b in job.block_ids[j * per : (j + 1) * per]]
-                groups = [[b for j in job.chunks for b in g[j * per : (j + 1) * per]] for g in job.groups]
-                n = len(job.chunks) * c
+                ids = [b for j in todo for b in job.block_ids[j * per : (j + 1) * per]]
+                groups = [[b for j in todo for b in g[j * per : (j + 1) * per]] for g in job.groups]
+                n = len(todo) * c
                 kv = blocks.gather(ids, n, self.config.spec.empty_kv(n), groups)
-                chunks = {j: kv[:, :, k * c : (k + 1) * c] for k, j in enumerate(job.chunks)}
+                chunks = {j: kv[:, :, k * c : (k + 1) * c] for k, j in enumerate(todo)}
             state = blocks.state_at(job.state_block) if job.state_block is not None else None
         except Exception as exc:  # noqa: BLE001 - a lost save is a later miss
             self.counts.failed("save", exc)
@@ -143,6 +150,18 @@ class Saves:
         with self._lock:
             self._pending += len(job.chunks)
         return asyncio.run_coroutine_threadsafe(self._write(job, chunks, state), self.loop.loop)
+
+    def _unknown(self, job: SaveJob) -> list[int]:
+        """The job's chunks the store does not hold yet (asked on the step: a returning prompt's loaded
+        chunks are not copied out again); all of them when the store cannot say in time."""
+        if not job.chunks:
+            return []
+        try:
+            store, _ = self._attached()
+            known = self.loop.run(self._known(store, self.config.own(job.keys)), self.config.settings.lookup_timeout_s)
+            return [j for j, held in zip(job.chunks, known) if not held]
+        except Exception:  # noqa: BLE001 - copied and deduped on write, as ever
+            return list(job.chunks)
 
     async def _write(
         self, job: SaveJob, chunks: dict[int, torch.Tensor | NativeKV], state: dict[str, torch.Tensor] | None

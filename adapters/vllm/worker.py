@@ -144,11 +144,22 @@ class WorkerSide:
         if request.get("op") == "hint":
             return self.hints.arrived(request)
         keys = self.config.own([str(k) for k in request.get("keys", [])])
+        await self._written(keys)
         reply: dict[str, Any] = {"chunks": await store.lookup_keys(keys) if keys else 0}
         sid = request.get("session")
         if sid:
             reply["session"] = await self._session_hit(store.for_tenant(request["tenant"]), sid, request["tokens"])
         return reply
+
+    async def _written(self, keys: list[str]) -> None:
+        """Wait (up to half the scheduler's lookup timeout) for writes in flight of these chunks: a
+        prompt whose prefix a request finished a moment ago then finds it stored."""
+        writing = self.saves.writing
+        pending = {id(f): f for f in (writing.get(k) for k in keys) if f is not None and not f.done()}
+        if pending:
+            with contextlib.suppress(Exception):  # a failed or slow write: answer with what is stored
+                wait_s = self.config.settings.lookup_timeout_s / 2
+                await asyncio.wait([asyncio.wrap_future(f) for f in pending.values()], timeout=wait_s)
 
     async def _session_hit(self, view: StateStore, session_id: str, tokens: list[int]) -> dict[str, Any] | None:
         """What of the session covers a prefix of `tokens`: all of it, or, when the prompt leaves it
