@@ -74,8 +74,10 @@ def main() -> None:
         "allocator on: a returning prompt of whole 288-token chunks and one token. agentstate loads the chunks "
         "(attention layers' KV) and the GDN state stored at the last boundary; vLLM computes one token. One-token "
         f"requests (end-to-end = TTFT), medians of {reps} rounds; the generated tokens equal the recompute's in "
-        "every round (checked). Round 0 shows what storing costs the computing request: its chunks and state are "
-        "copied out on the step (a Mamba state's block is freed two steps on), the writes go on off it.", "",
+        "every round (checked). Round 0 (one request each: single samples, the engines run one after the other) "
+        "shows what storing costs the computing request: its new chunks and state are copied out on the step (a "
+        "Mamba state's block is freed two steps on), the writes go on off it; a returning prompt's loaded chunks "
+        "are not copied again.", "",
         *rows, "", END,
     ])  # fmt: skip
     print(section)
