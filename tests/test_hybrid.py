@@ -81,6 +81,15 @@ def reference(arch: str, seed: int) -> tuple[Any, Any, list[int], Any, int, list
     return model, spec, ids, cache, nxt, decode(model, copy.deepcopy(cache), nxt)
 
 
+async def continues(store: StateStore, model: Any, ids: list[int], want: list[torch.Tensor]) -> None:
+    """Session "s" resumes whole, and its decode is bit for bit `want` (the run that never stopped)."""
+    got = await tfa.resume(store, "s", model)
+    assert got.restored_tokens == len(ids) and got.tokens == ids
+    logits = decode(model, got.cache, got.state["next"])
+    assert all(torch.equal(a, b) for a, b in zip(logits, want))
+    assert (await verify(store)).clean
+
+
 def open_store(path: Path, spec: Any, **kw: Any) -> Any:
     return StateStore.open(path, spec, chunk_tokens=C, lmdb_map_size=64 << 20, **kw)
 
@@ -92,11 +101,7 @@ async def test_a_resumed_session_continues_as_the_run_that_never_stopped(tmp_pat
     async with open_store(tmp_path / "d", spec) as store:
         await tfa.snapshot(store, "s", ids, cache, {"next": nxt})
     async with open_store(tmp_path / "d", spec) as store:  # from disk, after a restart
-        got = await tfa.resume(store, "s", model)
-        assert got.restored_tokens == 45 and got.tokens == ids
-        logits = decode(model, got.cache, got.state["next"])
-        assert all(torch.equal(a, b) for a, b in zip(logits, want))
-        assert (await verify(store)).clean
+        await continues(store, model, ids, want)
 
 
 async def test_ls_inspect_and_verify_know_a_hybrid_session(tmp_path: Path) -> None:
@@ -336,11 +341,7 @@ async def test_a_hybrid_session_exports_and_imports_with_its_state(tmp_path: Pat
             assert [m async for m in store.sessions()] == []  # nothing was written
         await import_sessions(store, tmp_path / "a.tar", tenant="other")
     async with open_store(tmp_path / "dst", spec, tenant="other") as store:
-        got = await tfa.resume(store, "s", model)
-        assert got.restored_tokens == 45 and got.tokens == ids
-        logits = decode(model, got.cache, got.state["next"])
-        assert all(torch.equal(a, b) for a, b in zip(logits, want))
-        assert (await verify(store)).clean
+        await continues(store, model, ids, want)
 
 
 async def test_a_hybrid_session_over_the_http_api(tmp_path: Path) -> None:
