@@ -36,7 +36,6 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequenc
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
-import xxhash
 from pydantic import BaseModel, ValidationError
 from typing_extensions import Self
 
@@ -228,13 +227,7 @@ class AsyncClient:
     async def _upload(self, path: str, header: KVHeader, kv: torch.Tensor, trailer: bytes = b"") -> httpx.Response:
         """POST a frame: the header, `kv`'s bytes and `trailer` (a hybrid model's packed state)."""
         payload = kv_payload(kv)
-        if trailer:
-            digest = xxhash.xxh3_64()
-            digest.update(payload)
-            digest.update(trailer)
-            header.xxh3 = digest.intdigest()
-        else:
-            header.xxh3 = checksum(payload)
+        header.xxh3 = checksum(payload, trailer)
         prefix = frame_prefix(header)
 
         async def body() -> AsyncIterator[Any]:  # memoryview slices: the KV is not copied

@@ -333,8 +333,14 @@ def kv_payload(kv: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def checksum(payload: memoryview | bytes | bytearray) -> int:
-    return xxhash.xxh3_64_intdigest(payload)
+def checksum(payload: memoryview | bytes | bytearray, *more: memoryview | bytes | bytearray) -> int:
+    """xxh3_64 of a frame's payload: its parts' bytes one after another (the KV, then a hybrid model's state)."""
+    if not more:
+        return xxhash.xxh3_64_intdigest(payload)
+    digest = xxhash.xxh3_64(payload)
+    for part in more:
+        digest.update(part)
+    return digest.intdigest()
 
 
 def kv_from(header: KVHeader, payload: memoryview, spec: ModelSpec | None = None) -> torch.Tensor:

@@ -65,6 +65,13 @@ class KVGroups:
         return min((w for w in self.windows if w is not None), default=None)
 
 
+def state_block(ids: list[int], tokens: int, block_size: int) -> int | None:
+    """The block of a Mamba group's `ids` holding its state after `tokens` tokens: the block holding
+    token `tokens - 1` (align mode keeps the state there); None where the group keeps none."""
+    at = -(-tokens // block_size) - 1
+    return ids[at] if 0 <= at < len(ids) and ids[at] != NULL_BLOCK else None
+
+
 def groups_of(kv_cache_config: Any, block_size: int) -> KVGroups | None:
     """The groups of `kv_cache_config`, None for a model whose KV is one full-attention group (a dense
     model: stored as before); InvalidArgumentError for a kind of group the connector cannot store."""

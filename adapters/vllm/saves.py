@@ -138,8 +138,8 @@ class Saves:
                 assert job.groups is not None
                 ids = [b for j in todo for b in job.block_ids[j * per : (j + 1) * per]]
                 groups = [[b for j in todo for b in g[j * per : (j + 1) * per]] for g in job.groups]
-                n = len(todo) * c
-                kv = blocks.gather(ids, n, self.config.spec.empty_kv(n), groups)
+                kv = self._copy_out(blocks, ids, len(todo) * c, None, None, groups=groups)
+                assert kv is not None
                 chunks = {j: kv[:, :, k * c : (k + 1) * c] for k, j in enumerate(todo)}
             state = blocks.state_at(job.state_block) if job.state_block is not None else None
         except Exception as exc:  # noqa: BLE001 - a lost save is a later miss
@@ -191,14 +191,8 @@ class Saves:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """A finished request's KV of every token (held blocks: off the step), and a Mamba model's state
         after its last token."""
-        if job.groups is None:
-            kv = self._copy_out(blocks, job.block_ids, len(job.tokens), ready, None)
-            assert kv is not None
-            return kv, None
-        if ready is not None:
-            ready.synchronize()
-        n = len(job.tokens)
-        kv = blocks.gather(job.block_ids, n, self.config.spec.empty_kv(n), job.groups)
+        kv = self._copy_out(blocks, job.block_ids, len(job.tokens), ready, None, groups=job.groups)
+        assert kv is not None
         return kv, blocks.state_at(job.state_block) if job.state_block is not None else None
 
     async def _known(self, store: StateStore, keys: list[str]) -> list[bool]:
@@ -207,16 +201,17 @@ class Saves:
 
     def _copy_out(
         self, blocks: EngineBlocks, block_ids: list[int], n: int, ready: Any, flag: threading.Event | None,
-        native: bool = False,
+        native: bool = False, groups: list[list[int]] | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         """Canonical KV of the first `n` tokens of these blocks (`native`: the whole blocks as they lie
-        in memory, `blocks.native_code`'s payload), or None when revoked meanwhile (the copy may have
-        read blocks another request was already writing)."""
+        in memory, `blocks.native_code`'s payload; `groups`: a hybrid model's block ids per group), or
+        None when revoked meanwhile (the copy may have read blocks another request was already writing)."""
         if ready is not None:
             ready.synchronize()
         if flag is not None and flag.is_set():
             return None
-        kv = blocks.gather_native(block_ids) if native else blocks.gather(block_ids, n, self.config.spec.empty_kv(n))
+        kv = (blocks.gather_native(block_ids) if native
+              else blocks.gather(block_ids, n, self.config.spec.empty_kv(n), groups))  # fmt: skip
         if flag is not None and flag.is_set():
             return None
         return kv

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentstate.adapters.runtime import never_raises
 from agentstate.adapters.vllm.config import ConnectorConfig, data_dir
-from agentstate.adapters.vllm.groups import NULL_BLOCK
+from agentstate.adapters.vllm.groups import NULL_BLOCK, state_block
 from agentstate.adapters.vllm.lookup import LookupClient, socket_name
 from agentstate.adapters.vllm.metadata import AgentStateMetadata, HintJob, LoadJob, SaveJob, SessionJob
 from agentstate.adapters.vllm.metrics import AgentStateStats, Counts, log
@@ -275,11 +275,10 @@ class SchedulerSide:
         group = self.config.groups.state_group if self.config.groups is not None else None
         if group is None or not job.keys:
             return
-        end, ids = job.end, groups[group]
-        at = -(-end // self.config.block_size) - 1  # the block holding token end - 1: where align mode keeps the state
-        if not (job.state_key or end % self.config.chunk_tokens == 0) or not 0 <= at < len(ids) or ids[at] == NULL_BLOCK:
-            raise ValueError(f"no state block at token {end} of a hybrid model's load")
-        job.state_block = ids[at]
+        block = state_block(groups[group], job.end, self.config.block_size)
+        if not (job.state_key or job.end % self.config.chunk_tokens == 0) or block is None:
+            raise ValueError(f"no state block at token {job.end} of a hybrid model's load")
+        job.state_block = block
 
     # -- each step ---------------------------------------------------------------------------------
 
@@ -362,10 +361,7 @@ class SchedulerSide:
         job.keys, job.chunks = [job.keys[k] for k in keep], [job.chunks[k] for k in keep]
         group = hybrid.state_group
         if group is not None and step_end % c == 0:  # the step ends on the end of its last chunk
-            ids = groups[group]
-            at = step_end // bs - 1
-            if at < len(ids) and ids[at] != NULL_BLOCK:
-                job.state_block = ids[at]
+            job.state_block = state_block(groups[group], step_end, bs)
 
     # -- requests finishing ------------------------------------------------------------------------
 
@@ -418,12 +414,10 @@ class SchedulerSide:
             if self.config.groups is not None:  # every group's blocks; a Mamba model's state after token n
                 session_job.groups = [list(ids) for ids in block_ids]
                 group = self.config.groups.state_group
-                at = -(-n // self.config.block_size) - 1
                 if group is not None:
-                    ids = block_ids[group]
-                    if not 0 <= at < len(ids) or ids[at] == NULL_BLOCK:
+                    session_job.state_block = state_block(block_ids[group], n, self.config.block_size)
+                    if session_job.state_block is None:
                         raise ValueError(f"no state block at token {n} of a finished hybrid request")
-                    session_job.state_block = ids[at]
         if hint_job is not None:
             self._hint_jobs.append(hint_job)
         if session_job is not None:

@@ -53,8 +53,6 @@ from agentstate.errors import AgentStateError, BackendError, InvalidArgumentErro
 from agentstate.keys import validate_id
 from agentstate.server.metrics import Metrics
 from agentstate.store import StateStore
-import xxhash
-
 from agentstate.wire import (
     FRAME_TYPE,
     ErrorBody,
@@ -449,17 +447,8 @@ async def off_loop(fn: Any, *args: Any) -> Any:
 async def frame_response(header: KVHeader, payload: memoryview, trailer: memoryview | bytes = b"") -> Response:
     """A frame sent from `payload` without copying it, then `trailer` (a hybrid model's state); the
     header gets the xxh3 of both."""
-    header.xxh3 = await off_loop(_checksum, payload, trailer) if len(payload) > _STEP else _checksum(payload, trailer)
+    header.xxh3 = await off_loop(checksum, payload, trailer) if len(payload) > _STEP else checksum(payload, trailer)
     return _FrameResponse(frame_prefix(header), payload, memoryview(trailer))
-
-
-def _checksum(payload: memoryview, trailer: memoryview | bytes) -> int:
-    if not len(trailer):
-        return checksum(payload)
-    digest = xxhash.xxh3_64()
-    digest.update(payload)
-    digest.update(trailer)
-    return digest.intdigest()
 
 
 class _FrameResponse(Response):
